@@ -1,0 +1,6 @@
+"""kda_ops: Kimi Delta Attention as torch.library custom ops (Triton on CUDA, torch elsewhere)."""
+from .api import chunk_kda, recurrent_kda
+from .reference import naive_recurrent_kda
+
+__all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda"]
+__version__ = "0.1.0"

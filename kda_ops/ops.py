@@ -1,0 +1,219 @@
+"""Every torch.library registration of kda_ops, in one place.
+
+Public ops (``torch.ops.kda_ops.*``), all ``triton_op``s so that torch.compile sees through them to the
+Triton kernels on CUDA and torch.export keeps each as one node:
+
+    chunk_kda_fwd(q, k, v, g, beta, A_log?, dt_bias?, initial_state?, cu_seqlens?, scale, lower_bound?,
+                  use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+        -> (o [B, T, HV, V], final_state [N, HV, K, V] or empty)
+    chunk_kda_bwd(do, dht?, <the forward's inputs but output_final_state>)
+        -> (dq, dk, dv, dg, dbeta, dA_log or empty, ddt_bias or empty, dh0 or empty)
+    recurrent_kda(<the forward's inputs, initial_state required>) -> (o, final_state)   # decode step
+
+A ``triton_op`` cannot return None: an absent output is an empty tensor, mapped back to None in api.py.
+CUDA runs our Triton kernels (kda_ops/kernels); every other device runs the torch implementation of
+reference.py behind an opaque ``custom_op`` (``*_torch``): its Python loop over chunks would otherwise
+specialise the sequence length under torch.compile and recompile for every new length.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import custom_op, triton_op
+
+from . import kernels, reference
+
+_EMPTY_SHAPE = (0,)
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _or_empty(x: Optional[Tensor], like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return like.new_empty(_EMPTY_SHAPE, dtype=dtype or like.dtype) if x is None else x
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch implementation behind opaque ops (CPU, and any device without kernels).
+# ----------------------------------------------------------------------------------------------
+@custom_op("kda_ops::chunk_kda_fwd_torch", mutates_args=())
+def chunk_kda_fwd_torch(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    o, ht = reference.chunk_kda_fwd_torch(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+    return o, _or_empty(ht, q, _state_dtype(q))
+
+
+@custom_op("kda_ops::chunk_kda_bwd_torch", mutates_args=())
+def chunk_kda_bwd_torch(
+    do: Tensor, dht: Optional[Tensor],
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = reference.chunk_kda_bwd_torch(
+        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+    return (dq, dk, dv, dg, dbeta,
+            _or_empty(dA_log, q, torch.float32) if A_log is None else dA_log.to(A_log.dtype),
+            _or_empty(ddt_bias, q, torch.float32) if dt_bias is None else ddt_bias.to(dt_bias.dtype),
+            _or_empty(dh0, q, torch.float32) if initial_state is None else dh0.to(initial_state.dtype))
+
+
+@custom_op("kda_ops::recurrent_kda_torch", mutates_args=())
+def recurrent_kda_torch(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Tensor, cu_seqlens: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor]:
+    cd = _state_dtype(q)
+    o, ht = reference.naive_recurrent_kda(
+        q.to(cd), k.to(cd), v.to(cd), g.to(cd), beta.to(cd), scale, initial_state, True,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lower_bound, cu_seqlens,
+        A_log, dt_bias)
+    return o.to(v.dtype), ht.to(initial_state.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake (meta) functions: output shapes and dtypes from input shapes only.
+# ----------------------------------------------------------------------------------------------
+def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+              use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    o = v.new_empty(B, T, HV, V)
+    if output_final_state:
+        return o, q.new_empty(_num_seqs(q, cu_seqlens), HV, K, V, dtype=_state_dtype(q))
+    return o, q.new_empty(_EMPTY_SHAPE, dtype=_state_dtype(q))
+
+
+def _bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+              use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta),
+            q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) if A_log is None else torch.empty_like(A_log),
+            q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) if dt_bias is None else torch.empty_like(dt_bias),
+            q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) if initial_state is None
+            else torch.empty_like(initial_state))
+
+
+def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                    use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval):
+    return v.new_empty(v.shape), torch.empty_like(initial_state)
+
+
+chunk_kda_fwd_torch.register_fake(_fwd_fake)
+chunk_kda_bwd_torch.register_fake(_bwd_fake)
+recurrent_kda_torch.register_fake(_recurrent_fake)
+
+
+# ----------------------------------------------------------------------------------------------
+# The public ops.
+# ----------------------------------------------------------------------------------------------
+@triton_op("kda_ops::chunk_kda_fwd", mutates_args={})
+def chunk_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    if q.device.type == "cuda":
+        o, ht = kernels.chunk_kda_fwd_triton(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+        return o, _or_empty(ht, q, torch.float32)
+    return torch.ops.kda_ops.chunk_kda_fwd_torch(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+
+
+@triton_op("kda_ops::chunk_kda_bwd", mutates_args={})
+def chunk_kda_bwd(
+    do: Tensor, dht: Optional[Tensor],
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if q.device.type == "cuda":
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
+            do.contiguous(), None if dht is None else dht.contiguous(),
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+        return (dq, dk, dv, dg, dbeta, _or_empty(dA_log, q, torch.float32),
+                _or_empty(ddt_bias, q, torch.float32), _or_empty(dh0, q, torch.float32))
+    return torch.ops.kda_ops.chunk_kda_bwd_torch(
+        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+
+
+@triton_op("kda_ops::recurrent_kda", mutates_args={})
+def recurrent_kda(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Tensor, cu_seqlens: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor]:
+    if q.device.type == "cuda":
+        return kernels.recurrent_kda_triton(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            A_log, dt_bias, initial_state.contiguous(), cu_seqlens, scale, lower_bound,
+            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+    return torch.ops.kda_ops.recurrent_kda_torch(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+
+
+chunk_kda_fwd.register_fake(_fwd_fake)
+chunk_kda_bwd.register_fake(_bwd_fake)
+recurrent_kda.register_fake(_recurrent_fake)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd: the forward keeps only its inputs; the backward op recomputes the rest.
+# ----------------------------------------------------------------------------------------------
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+     use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.flags = (scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+    ctx.output_final_state = output_final_state
+
+
+def _fwd_backward(ctx, do, dht):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = torch.ops.kda_ops.chunk_kda_bwd(
+        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags)
+    return (dq, dk, dv, dg, dbeta,
+            None if A_log is None else dA_log,
+            None if dt_bias is None else ddt_bias,
+            None if initial_state is None else dh0,
+            None, None, None, None, None, None, None, None)
+
+
+chunk_kda_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
