@@ -1,0 +1,97 @@
+"""Shared test inputs and error metric: one place that draws KDA inputs for every test file."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kda_ops.reference import l2norm
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+@dataclass
+class Case:
+    """One KDA problem. `flags` turns on the in-op pre-processing (gate, l2norm, beta sigmoid)."""
+    B: int = 2
+    T: int = 63
+    H: int = 2
+    HV: int = 2
+    K: int = 16
+    V: int = 16
+    in_op: bool = False
+    lower_bound: Optional[float] = None
+    allow_neg_eigval: bool = False
+    initial_state: bool = True
+    seqlens: Optional[list] = None           # varlen: B must be 1 and T == sum(seqlens)
+    dtype: torch.dtype = torch.float64
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        s = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}"
+        if self.seqlens:
+            s += "-varlen" + "_".join(map(str, self.seqlens))
+        if self.in_op:
+            s += "-inop" + ("" if self.lower_bound is None else f"-lb{self.lower_bound:g}")
+        if self.allow_neg_eigval:
+            s += "-neg"
+        if not self.initial_state:
+            s += "-noh0"
+        return s + "-" + str(self.dtype).replace("torch.", "")
+
+    def make(self, device="cpu", seed=0):
+        """Returns (inputs, kwargs) for kda_ops.chunk_kda / naive_recurrent_kda."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+        B, T, H, HV, K, V = self.B, self.T, self.H, self.HV, self.K, self.V
+        q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, HV, V)
+        N = len(self.seqlens) if self.seqlens else B
+        kw = dict(output_final_state=True)
+        if self.in_op:
+            g, beta = rnd(B, T, HV, K), rnd(B, T, HV)
+            kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound,
+                      A_log=torch.empty(HV, dtype=torch.float64).uniform_(0, 2.7, generator=gen),
+                      dt_bias=0.5 * rnd(HV * K))
+        else:
+            q, k = l2norm(q), l2norm(k)
+            g = -torch.rand(B, T, HV, K, generator=gen, dtype=torch.float64) * 0.7
+            beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+        if self.initial_state:
+            kw["initial_state"] = 0.5 * rnd(N, HV, K, V)
+        if self.seqlens:
+            assert B == 1 and sum(self.seqlens) == T
+            kw["cu_seqlens"] = torch.tensor([0] + list(torch.tensor(self.seqlens).cumsum(0)), dtype=torch.int32)
+        inputs = [x.to(self.dtype) for x in (q, k, v)] + [g, beta]
+        inputs = [x.to(device) for x in inputs]
+        for name in ("initial_state", "A_log", "dt_bias"):
+            if kw.get(name) is not None:
+                kw[name] = kw[name].to(device=device, dtype=torch.float64 if self.dtype == torch.float64
+                                       else torch.float32)
+        if "cu_seqlens" in kw:
+            kw["cu_seqlens"] = kw["cu_seqlens"].to(device)
+        return inputs, kw
+
+
+def reference_grads(inputs, kw, do, dht):
+    """Autograd through the float64 recurrence: returns dict of output and gradient tensors."""
+    from kda_ops.reference import naive_recurrent_kda
+    ins = [x.detach().double().requires_grad_() for x in inputs]
+    kw64 = {n: (x.detach().double().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                else x) for n, x in kw.items()}
+    o, ht = naive_recurrent_kda(*ins, **kw64)
+    loss = (o * do.double()).sum() + (ht * dht.double()).sum()
+    loss.backward()
+    out = dict(o=o.detach(), ht=ht.detach(), dq=ins[0].grad, dk=ins[1].grad, dv=ins[2].grad, dg=ins[3].grad,
+               dbeta=ins[4].grad)
+    for name, key in (("initial_state", "dh0"), ("A_log", "dA_log"), ("dt_bias", "ddt_bias")):
+        if kw64.get(name) is not None:
+            out[key] = kw64[name].grad
+    return out
