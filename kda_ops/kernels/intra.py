@@ -1,0 +1,297 @@
+"""Stage 2 of the forward: everything inside one chunk that does not depend on the state.
+
+One program per (chunk, value head) computes, with prepare.py's helpers fused in:
+
+    gam      [BT, K]   in-chunk cumsum of the activated log decay, log2 units (stored: the kernel re-reads it)
+    Aqk      [BT, BT]  scale * sum_d q_i k_j exp2(gam_i - gam_j), j <= i
+    L        [BT, BT]  beta_i * sum_d k_i k_j exp2(gam_i - gam_j), j < i          (not stored)
+    Tm       [BT, BT]  (I + L)^-1, unit lower triangular
+    W        [BT, K]   Tm diag(beta) (k * exp2(gam))
+    U        [BT, V]   Tm diag(beta) v
+    kd       [BT, K]   k * exp2(gam_last - gam)          (the state update's key, read by state.py)
+    qg       [BT, K]   scale * q * exp2(gam)             (the output's query, read by state.py)
+
+Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
+exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded):
+* off-diagonal 16x16 blocks (row block r, columns j < 16 r) are factored around the first row of the row
+  block, gam_ref = gam_{16 r}: (x_i exp2(gam_i - gam_ref)) . (k_j exp2(gam_ref - gam_j)), both factors
+  <= 1, tensor-core dots;
+* diagonal blocks are exact per token pair (a loop over the 16 columns of the block), whatever the gate.
+Aqk and L are built for all 64 rows at once (the four diagonal blocks together, one column of each block
+per step, so each step works on a [64, BK] tile; the off-diagonal blocks as three [64, BK] @ [BK, 64] dots
+with the rows outside the row block masked). The inverse is blockwise: D = (I + L_diag)^-1 for the four
+diagonal blocks at once (forward substitution in fp32 on a [4, 16, 16] tile), then the block merges as
+Tm = sum_{p<4} (-D L_off)^p D, three dots X <- D - (D L_off) X (a nilpotent series: exact). L and D are
+parked in the Tm output before Tm overwrites them.
+All of this is fp32 (the Aqk / Akk dots take 16-bit operands for 16-bit inputs, the inverse merges and
+the W, U dots tf32). W, U, kd, qg are stored in fp32: rounding U and kd to bf16 (truncation, in the
+interpreter) alone gave ~3e-3 relative error in the output and final state, and fp32 operands go straight
+from shared memory into the state pass's tf32 wgmma (bf16 ones cast in registers spilled).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import BC, BT, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
+from .prepare import load_beta, load_gam_block
+
+L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EPS (kernels do not import the reference)
+
+
+@triton.jit
+def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, USE_L2NORM: tl.constexpr, EPS: tl.constexpr):
+    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps): [BT] fp32 (ones without l2norm)."""
+    o_t = tl.arange(0, BT)
+    if USE_L2NORM:
+        b_ss = tl.zeros([BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            # [BT, BK]
+            b_x = tl.load(x + (t0 + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :],
+                          mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
+            b_ss += tl.sum(b_x * b_x, axis=1)
+        return tl.rsqrt(b_ss + EPS)
+    else:
+        return tl.full([BT], 1.0, dtype=tl.float32)
+
+
+@triton.autotune(
+    configs=autotune_configs([
+        triton.Config({"BK": 32}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 64}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 32}, num_warps=4, num_stages=1),   # 255 regs: two programs per SM
+    ]),
+    key=["K", "V", "USE_L2NORM", "USE_GATE", "PREC"],
+)
+@triton.jit
+def chunk_kda_fwd_kernel_intra(
+    q, k, v, g, beta, A_log, dt_bias,        # [B,T,H,K] x2, [B,T,HV,V], [B,T,HV,K], [B,T,HV], [HV], [HV*K]
+    gam, beta_act, Aqk, Tm,                  # out fp32: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2
+    W, U, kd, qg,                            # out fp32: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] x2
+    cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV,
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+):
+    """One program per (chunk, value head): grid (NT_total, HV)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
+    t0 = bos + i_c * BT
+    if t0 >= eos:
+        return
+    Tc = tl.minimum(eos - t0, BT)
+    f_scale = tl.cast(scale, tl.float32)
+    f_lb = tl.cast(lower_bound, tl.float32)
+    if LOWP_DOT:   # operand dtype of the Aqk / Akk dots: the 16-bit dtype of v, else fp32
+        DOT_DT = v.dtype.element_ty
+    else:
+        DOT_DT = tl.float32
+
+    o_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    m_t = o_t < Tc
+    # row strides of the token-major tensors
+    sq = H * K
+    sg = HV * K
+    sv = HV * V
+    sa = HV * BT
+    q += t0 * sq + i_h * K
+    k += t0 * sq + i_h * K
+    v += t0 * sv + i_hv * V
+    gam += t0 * sg + i_hv * K
+    W += t0 * sg + i_hv * K
+    kd += t0 * sg + i_hv * K
+    qg += t0 * sg + i_hv * K
+    U += t0 * sv + i_hv * V
+    Aqk += t0 * sa + i_hv * BT
+    Tm += t0 * sa + i_hv * BT
+
+    # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below)
+    b_beta = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
+    tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
+    b_rq = l2norm_rscale(q, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_gam = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
+                               USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
+        tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
+    tl.debug_barrier()
+
+    # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (raw q, k: the l2norm
+    # factors are applied to the sums)
+    o_j = (o_t // BC) * BC                              # [BT] first column of each row's diagonal block
+    # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i): the off-diagonal
+    # blocks accumulate in the dot layout, the diagonal blocks in their own tiles (no per-step layout
+    # conversion of a [BT, BT] accumulator); summed once after the K loop
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk_d = tl.zeros([BT, BT], dtype=tl.float32)
+    b_akk_d = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        # [BT, BK]
+        b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+        # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
+        for jj in range(BC):
+            o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
+            m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
+            # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
+            b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
+            b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
+            b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
+            m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
+            b_aqk_d += tl.where(m_col & (o_t >= o_jj)[:, None], tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
+            b_akk_d += tl.where(m_col & (o_t > o_jj)[:, None], tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
+        # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_ref = gam_{16 r}
+        for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
+            r0 = (i_r + 1) * BC
+            b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)    # [BK]
+            m_r = (o_t >= r0) & (o_t < r0 + BC)                                 # [BT] rows of block r
+            # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r) and exp2(gam_ref - gam_j) <= 1 (j < r0)
+            b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
+            b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
+            b_kc = tl.trans(b_kc).to(DOT_DT)
+            # [BT, BK] @ [BK, BT] -> [BT, BT]
+            b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+            b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+    # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the Tm output (scratch)
+    b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
+    b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
+    p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
+    tl.store(Aqk + p_a, b_aqk, mask=m_t[:, None])
+    tl.store(Tm + p_a, b_akk, mask=m_t[:, None])
+    tl.debug_barrier()
+
+    # ---- Tm = (I + L)^-1. With Ld the diagonal 16x16 blocks of L, Lo the rest and D = (I + Ld)^-1:
+    # I + L = (I + Ld)(I + D Lo) and D Lo is strictly block lower (nilpotent, 4 blocks), so
+    # Tm = sum_{p < 4} (-D Lo)^p D, i.e. three steps of X <- D - (D Lo) X from X = D.
+    # D: the four diagonal blocks at once, [NB, BC, BC], by forward substitution in fp32.
+    o_b = tl.arange(0, BT // BC)
+    o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]                  # [NB, BC, 1] row in the chunk
+    o_c3 = o_b[:, None, None] * BC + o_c[None, None, :]                  # [NB, 1, BC] column in the chunk
+    p_d3 = o_r3 * sa + o_c3                                              # [NB, BC, BC]
+    m_d3 = (o_r3 < Tc) & (o_c3 < BT)                                    # [NB, BC, BC] valid rows
+    b_ld = tl.load(Tm + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
+    b_d = tl.where(o_c[None, :, None] == o_c[None, None, :], 1.0, 0.0) + tl.zeros([BT // BC, BC, BC], tl.float32)
+    for a in range(1, BC):
+        # row a of every block: D[a, :] -= sum_{c < a} Ld[a, c] D[c, :]
+        b_la = tl.sum(tl.where(o_c[None, :, None] == a, b_ld, 0.0), axis=1)     # [NB, BC] Ld[a, c]
+        b_ra = tl.sum(b_la[:, :, None] * b_d, axis=1)                            # [NB, BC]
+        b_d -= tl.where(o_c[None, :, None] == a, b_ra[:, None, :], 0.0)
+    tl.debug_barrier()                                  # every thread has read Ld
+    tl.store(Tm + p_d3, b_d, mask=m_d3)
+    tl.debug_barrier()
+    m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                # [BT, BT] same diagonal block
+    b_dd = tl.load(Tm + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
+    # [BT, BT] @ [BT, BT] -> [BT, BT]
+    b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
+    b_tm = b_dd
+    for _ in range(BT // BC - 1):
+        b_tm = b_dd - tl.dot(b_m, b_tm, input_precision=PREC)
+    tl.debug_barrier()                                  # every thread has read D
+    tl.store(Tm + p_a, b_tm, mask=m_t[:, None])
+
+    # ---- W, kd, qg over K-blocks and U over V-blocks, from the whole Tm [BT, BT]
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        # [BT, BK]
+        b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = b_k * b_rk[:, None]
+        b_q = b_q * (f_scale * b_rq)[:, None]
+        # [BK] gam of the chunk's last valid row
+        b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)
+        b_eg = tl.exp2(b_g)
+        # [BT, BT] @ [BT, BK] -> [BT, BK]
+        b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None], input_precision=PREC)
+        o_tk = o_t[:, None] * sg + o_k[None, :]
+        tl.store(W + o_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
+        tl.store(kd + o_tk, (b_k * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty),
+                 mask=m_tk)
+        tl.store(qg + o_tk, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_tk)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < V)
+        # [BT, BV]
+        b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        # [BT, BT] @ [BT, BV] -> [BT, BV]
+        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
+        tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
+
+
+class IntraOut(NamedTuple):
+    """What :func:`chunk_kda_fwd_intra` stores (token-major, like the inputs; BT = 64).
+
+    gam [B,T,HV,K] fp32 log2 units; beta [B,T,HV] fp32 activated; Aqk [B,T,HV,BT] fp32 (row i of a chunk at
+    its token, column j = position in the chunk, scale included, zero for j > i); Tm [B,T,HV,BT] fp32
+    (I + L)^-1; W [B,T,HV,K], U [B,T,HV,V], kd [B,T,HV,K] = k exp2(gam_last - gam), qg [B,T,HV,K] =
+    scale q exp2(gam), all fp32 (q, k l2-normalised when use_qk_l2norm).
+    """
+    gam: torch.Tensor
+    beta: torch.Tensor
+    Aqk: torch.Tensor
+    Tm: torch.Tensor
+    W: torch.Tensor
+    U: torch.Tensor
+    kd: torch.Tensor
+    qg: torch.Tensor
+
+
+def chunk_kda_fwd_intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+) -> IntraOut:
+    """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
+    A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
+
+    >>> out = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, K ** -0.5, None,
+    ...                           True, True, True, False)
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    layout = chunk_layout(B, T, cu_seqlens)
+    dev, dt = q.device, v.dtype
+    f32 = torch.float32
+    out = IntraOut(
+        gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        beta=torch.empty(B, T, HV, dtype=f32, device=dev),
+        Aqk=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
+        Tm=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
+        W=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        U=torch.empty(B, T, HV, V, dtype=f32, device=dev),
+        kd=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        qg=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+    )
+    dummy = out.gam
+    grid = (layout.NT_total, HV)
+    torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
+        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        out.gam, out.beta, out.Aqk, out.Tm, out.W, out.U, out.kd, out.qg,
+        dummy if cu_seqlens is None else cu_seqlens,
+        dummy if layout.chunk_indices is None else layout.chunk_indices,
+        float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
+        H, HV, K=K, V=V, BT=BT, BC=BC, BV=min(64, triton.next_power_of_2(V)),
+        USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
+        USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype), LOWP_DOT=lowp_dot(v.dtype),
+    )
+    return out
