@@ -1,0 +1,150 @@
+"""Backward stage 1: the reverse state pass over chunks.
+
+With ``dS`` the gradient of the state *leaving* chunk c (``dht`` for the last chunk), per chunk in reverse
+(qg = scale q exp2(gam), kd = k exp2(gam_last - gam), W, Aqk from the forward's intra stage):
+
+    dVn   = Aqk^T dO + kd dS                                                    # [BT, BV]
+    dS   <- qg^T dO + Diag(exp2(gam_last)) dS - W^T dVn                          # [K, BV]
+
+so after the first chunk ``dS`` is d initial_state. One program per (V-block, sequence, value head) holds
+the whole ``[K, BV]`` fp32 accumulator (K padded to a power of two, <= 256) and walks its sequence's
+chunks backwards. It stores dS leaving every chunk (read by stage 2) and dVn.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import BT, autotune_configs, chunk_layout, dot_precision, lowp_dot
+
+
+@triton.autotune(
+    configs=autotune_configs([
+        # the first config (the only one under the interpreter / KDA_OPS_AUTOTUNE=0) fits K = 256 in shared
+        # memory (80 KB offline); 4 warps with 2 stages needs 233 KB there, over the H200's 227 KB
+        triton.Config({"BV": 32}, num_warps=8, num_stages=1),
+        triton.Config({"BV": 16}, num_warps=8, num_stages=1),
+        triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BV": 32}, num_warps=4, num_stages=2),
+    ]),
+    key=["K", "V", "PREC"],
+)
+@triton.jit
+def chunk_kda_bwd_kernel_state(
+    qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K] x3, [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
+    dh, dvn, dh0,                            # out: [NT_total,HV,K,V], [B,T,HV,V], [N,HV,K,V] fp32
+    cu_seqlens, chunk_offsets, T, HV,
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+):
+    """Grid (cdiv(V, BV), N * HV)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = (i_n * T).to(tl.int64)
+        eos = bos + T
+        boh = (i_n * tl.cdiv(T, BT)).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    if LOWP_DOT:
+        DOT_DT = do.dtype.element_ty
+    else:
+        DOT_DT = tl.float32
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    sg = HV * K
+    sv = HV * V
+    sa = HV * BT
+    p_kv = o_k[:, None] * V + o_v[None, :]
+
+    # [BK, BV] fp32: gradient of the state leaving the current chunk
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0.0)
+    for i_c in range(NT - 1, -1, -1):
+        t0 = bos + i_c * BT
+        m_t = (t0 + o_t) < eos
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        tl.store(dh + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        b_dhd = b_dh.to(DOT_DT)
+        # 64-bit chunk bases, 32-bit offsets inside the chunk
+        off_k = t0 * sg + i_hv * K
+        off_v = t0 * sv + i_hv * V
+        p_tk = o_t[:, None] * sg + o_k[None, :]
+        p_tv = o_t[:, None] * sv + o_v[None, :]
+        # [BT, BK]
+        b_qg = tl.load(qg + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        b_w = tl.load(W + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        # [BT(i), BT(j)] (zero for j > i)
+        b_a = tl.load(Aqk + (t0 * sa + i_hv * BT) + (o_t[:, None] * sa + o_t[None, :]), mask=m_t[:, None], other=0.0)
+        # [BT, BV]
+        b_do = tl.load(do + off_v + p_tv, mask=m_tv, other=0.0).to(DOT_DT)
+        # [BK] gam of the chunk's last valid row
+        t_last = tl.minimum(t0 + BT, eos) - 1
+        b_gl = tl.load(gam + (t_last * sg + i_hv * K) + o_k, mask=m_k, other=0.0)
+
+        # [BT, BT]^T @ [BT, BV] + [BT, BK] @ [BK, BV] -> [BT, BV]
+        b_dvn = tl.dot(tl.trans(b_a).to(DOT_DT), b_do, input_precision=PREC)
+        b_dvn += tl.dot(b_kd, b_dhd, input_precision=PREC)
+        tl.store(dvn + off_v + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
+        # [BT, BK]^T @ [BT, BV] -> [BK, BV], twice
+        b_dh = b_dh * tl.exp2(b_gl)[:, None]
+        b_dh += tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+        b_dh -= tl.dot(tl.trans(b_w), b_dvn.to(DOT_DT), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+def chunk_kda_bwd_state(
+    qg: torch.Tensor, kd: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
+    do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, cu_seqlens: Optional[torch.Tensor],
+):
+    """Reverse state pass.
+
+    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype); gam [B, T, HV, K] fp32 (log2 units);
+    Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] or None.
+    Returns (dh [NT_total, HV, K, V]: gradient of the state leaving each chunk, laid out like the forward's
+    per-chunk states; dvn [B, T, HV, V] (both in do.dtype for 16-bit inputs, else fp32);
+    dh0 [N, HV, K, V] fp32 or None).
+
+    >>> dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, intra.W, intra.gam, intra.Aqk, do, None,
+    ...                                    True, None)
+    """
+    B, T, HV, K = W.shape
+    V = do.shape[-1]
+    layout = chunk_layout(B, T, cu_seqlens)
+    # with 16-bit inputs stage 2 feeds dh and dvn to bf16/fp16 dots: storing them in that dtype loses nothing
+    # there and halves their memory (the fp32 accumulator stays in registers)
+    dt = do.dtype if lowp_dot(do.dtype) else torch.float32
+    dh = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=do.device)
+    dvn = torch.empty(B, T, HV, V, dtype=dt, device=do.device)
+    dh0 = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=do.device) if need_dh0 else None
+    dummy = gam
+    pick = lambda x: dummy if x is None else x  # noqa: E731
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), layout.N * HV)
+
+    torch.library.wrap_triton(chunk_kda_bwd_kernel_state)[grid](
+        qg, kd, W, gam, Aqk, do, pick(dht), dh, dvn, pick(dh0),
+        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV,
+        K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
+        PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),
+    )
+    return dh, dvn, dh0

@@ -1,0 +1,106 @@
+"""The Triton backward kernels on CPU, under the Triton interpreter, against autograd through the recurrence.
+
+TRITON_INTERPRET=1 must be set before triton is imported, so the pytest test below runs this file as a
+script in a subprocess with the variable set and checks the JSON it prints: for every case, the relative
+RMS error ||a - b|| / ||b|| of each gradient of kda_ops.kernels.chunk_kda_bwd_triton (which recomputes the
+forward with the forward stages) against autograd through kda_ops.reference.naive_recurrent_kda in float64.
+
+    python -m pytest tests/test_kernels_bwd.py            # the CI test (< 1 min on 2 cores)
+    TRITON_INTERPRET=1 python tests/test_kernels_bwd.py   # the same cases, one JSON line each
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+# fp32 kernels vs the fp64 recurrence (errors seen: <= 5e-5; the gate reductions are sums over tokens)
+TOL = dict(dq=1e-4, dk=1e-4, dv=1e-4, dg=2e-4, dbeta=1e-4, dA_log=5e-4, ddt_bias=5e-4, dh0=1e-4)
+TOL_BF16 = 3e-2     # bf16 inputs and bf16 forward intermediates (W, U, h, Vn), fp32 dots
+
+
+def cases():
+    import torch
+    from kda_case import Case
+    f32 = torch.float32
+    return [
+        Case(B=1, T=1, H=1, HV=1, K=16, V=16, dtype=f32),
+        Case(B=2, T=37, H=1, HV=2, K=20, V=20, dtype=f32),
+        Case(B=1, T=70, H=1, HV=1, K=16, V=20, dtype=f32, initial_state=False),
+        Case(B=2, T=70, H=1, HV=2, K=16, V=16, in_op=True, dtype=f32),
+        Case(B=1, T=70, H=1, HV=2, K=20, V=16, in_op=True, lower_bound=-5.0, allow_neg_eigval=True, dtype=f32,
+             initial_state=False),
+        Case(B=1, T=37, H=1, HV=1, K=16, V=16, in_op=True, allow_neg_eigval=True, dtype=f32),
+        Case(B=1, T=110, H=1, HV=2, K=16, V=16, in_op=True, seqlens=[20, 70, 20], dtype=f32),
+        Case(B=1, T=150, H=1, HV=1, K=20, V=16, seqlens=[70, 5, 75], dtype=f32),
+        Case(B=1, T=70, H=1, HV=2, K=16, V=16, in_op=True, dtype=torch.bfloat16),
+        Case(B=1, T=70, H=1, HV=2, K=80, V=72, in_op=True, dtype=f32),     # several K- and V-blocks
+    ]
+
+
+def run_case(case, seed=0, with_dht=True):
+    """Returns {grad name: relative RMS error} for one case (names missing on either side -> 'missing')."""
+    import torch
+    from kda_case import reference_grads, rel_rms
+    from kda_ops.kernels import chunk_kda_bwd_triton
+
+    inputs, kw = case.make("cpu", seed)
+    q, k, v, g, beta = inputs
+    g, beta = g.float(), beta.float()
+    inputs = [q, k, v, g, beta]
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    N = len(case.seqlens) if case.seqlens else B
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(v.dtype)
+    dht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64).float()
+    ref = reference_grads(inputs, kw, do, dht if with_dht else torch.zeros_like(dht))
+    out = chunk_kda_bwd_triton(
+        do, dht if with_dht else None, q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias"),
+        kw.get("initial_state"), kw.get("cu_seqlens"), K ** -0.5, kw.get("lower_bound"),
+        kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
+        kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
+    errs = {}
+    for name, x in zip(GRADS, out):
+        if (name in ref) != (x is not None):
+            errs[name] = "missing"
+        elif x is not None:
+            assert x.dtype == ref_dtype(name, inputs, kw), (name, x.dtype)
+            errs[name] = rel_rms(x, ref[name])
+    return errs
+
+
+def ref_dtype(name, inputs, kw):
+    import torch
+    q, k, v, g, beta = inputs
+    return dict(dq=q.dtype, dk=k.dtype, dv=v.dtype, dg=g.dtype, dbeta=beta.dtype).get(name, torch.float32)
+
+
+def test_kernels_bwd_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(cases()) + 1, proc.stdout
+    bad = []
+    for r in results:
+        tol = TOL if "float32" in r["id"] else {n: TOL_BF16 for n in GRADS}
+        for name, e in r["errs"].items():
+            if e == "missing" or not e <= tol[name]:
+                bad.append(f"{r['id']} {name}: {e}")
+    assert not bad, "\n".join(bad)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    sys.path[:0] = [os.path.dirname(HERE), HERE]
+    import torch
+    torch.set_num_threads(2)
+    for c in cases():
+        print(json.dumps(dict(id=c.id, errs=run_case(c))), flush=True)
+    c = cases()[3]
+    print(json.dumps(dict(id=c.id + "-nodht", errs=run_case(c, seed=3, with_dht=False))), flush=True)
