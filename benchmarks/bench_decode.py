@@ -1,0 +1,142 @@
+"""Decode step (T = 1) of KDA against FLA on one GPU: prints a table, writes JSON under benchmarks/results/.
+
+    python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py --shapes 64,32,128 --json out/bench_decode.json
+
+Providers: ``kda_ops`` (kda_ops.recurrent_kda: our Triton decode kernel) and ``fla``
+(fla.ops.kda.fused_recurrent_kda, output_final_state=True, the state not updated in place). Both with the
+gate, the q/k l2norm and the beta sigmoid inside the op, bf16 q/k/v/g/beta, fp32 state [B, H, K, V] read
+and a new one written. Times are medians of triton.testing.do_bench; "GB/s" counts the state read and
+written (the bytes that bound this op) plus the inputs and output. "graph us" replays the call from a CUDA
+graph (triton.testing.do_bench_cudagraph): the GPU time without the Python launch cost, which dominates
+at small batch. "speedup" is fla / kda_ops on the eager-call medians, "graph" on the CUDA-graph ones.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+import triton
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPES = [(64, 32, 128), (1, 32, 128), (256, 32, 128), (64, 16, 256)]   # (B, H, K = V)
+
+
+def make_inputs(B, H, D, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s, dt=dtype: torch.randn(*s, device="cuda", dtype=dt, generator=gen)  # noqa: E731
+    return dict(q=rnd(B, 1, H, D), k=rnd(B, 1, H, D), v=rnd(B, 1, H, D), g=rnd(B, 1, H, D), beta=rnd(B, 1, H),
+                A_log=0.5 * rnd(H, dt=torch.float32), dt_bias=0.5 * rnd(H * D, dt=torch.float32),
+                initial_state=0.1 * rnd(B, H, D, D, dt=torch.float32))
+
+
+FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+def step_kda_ops(x):
+    import kda_ops
+    return lambda: kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                         A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
+
+
+def step_fla(x):
+    from fla.ops.kda import fused_recurrent_kda
+    return lambda: fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                                       dt_bias=x["dt_bias"], initial_state=x["initial_state"],
+                                       output_final_state=True, **FLAGS)
+
+
+PROVIDERS = {"kda_ops": step_kda_ops, "fla": step_fla}
+
+
+def bytes_moved(x) -> int:
+    inputs = sum(t.numel() * t.element_size() for t in x.values())
+    return inputs + x["v"].numel() * x["v"].element_size() + x["initial_state"].numel() * 4
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="*", default=None, help="B,H,D triples (default: %s)" % SHAPES)
+    p.add_argument("--json", default=None, help="output path (default: benchmarks/results/decode_<date>_<card>.json)")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    card = torch.cuda.get_device_name()
+    rows = []
+    for B, H, D in shapes:
+        x = make_inputs(B, H, D)
+        outs, row = {}, dict(B=B, T=1, H=H, HV=H, K=D, V=D, dtype="bfloat16")
+        for name, make in PROVIDERS.items():
+            try:
+                fn = make(x)
+                outs[name] = fn()
+                triton.testing.do_bench(fn, warmup=200, rep=200)      # warm-up: clocks, allocator, first calls
+                us = triton.testing.do_bench(fn, return_mode="median") * 1e3
+                row[f"{name}_us"] = round(us, 2)
+                row[f"{name}_GBps"] = round(bytes_moved(x) / us / 1e3, 1)
+                # replayed from a CUDA graph: the kernel time without the Python launch cost
+                try:
+                    graph_ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+                    row[f"{name}_graph_us"] = round(graph_ms * 1e3, 2)
+                except Exception as e:
+                    row[f"{name}_graph_us"] = None
+                    row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+            except Exception as e:   # a missing peer is reported, not fatal
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        if len(outs) == 2:   # the two agree (o in bf16, the state in fp32)
+            (o1, h1), (o2, h2) = outs["kda_ops"], outs["fla"]
+            row["max_rel_diff_o"] = float((o1.float() - o2.float()).abs().max() / o2.float().abs().max())
+            row["max_rel_diff_state"] = float((h1 - h2).abs().max() / h2.abs().max())
+        if row.get("kda_ops_us") and row.get("fla_us"):
+            row["speedup_vs_fla"] = round(row["fla_us"] / row["kda_ops_us"], 2)
+        if row.get("kda_ops_graph_us") and row.get("fla_graph_us"):
+            row["speedup_vs_fla_graph"] = round(row["fla_graph_us"] / row["kda_ops_graph_us"], 2)
+        rows.append(row)
+
+    head = (f"{'B':>4} {'H':>3} {'K=V':>4} | {'kda_ops us':>10} {'GB/s':>6} {'graph us':>8} | {'fla us':>8} "
+            f"{'GB/s':>6} {'graph us':>8} | {'speedup':>7} {'graph':>5} | rel diff o / state")
+    print(f"KDA decode step (T=1, bf16, gate/l2norm/sigmoid in op) on {card}")
+    print(head)
+    print("-" * len(head))
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        print(f"{r['B']:>4} {r['H']:>3} {r['K']:>4} | {fmt(r.get('kda_ops_us'), '10.1f')} "
+              f"{fmt(r.get('kda_ops_GBps'), '6.0f')} {fmt(r.get('kda_ops_graph_us'), '8.1f')} | "
+              f"{fmt(r.get('fla_us'), '8.1f')} {fmt(r.get('fla_GBps'), '6.0f')} {fmt(r.get('fla_graph_us'), '8.1f')} | "
+              f"{fmt(r.get('speedup_vs_fla'), '7.2f')} {fmt(r.get('speedup_vs_fla_graph'), '5.2f')} | "
+              f"{fmt(r.get('max_rel_diff_o'), '.1e')} / "
+              f"{fmt(r.get('max_rel_diff_state'), '.1e')}")
+        for name in PROVIDERS:
+            if f"{name}_error" in r:
+                print(f"     {name}: {r[name + '_error']}")
+
+    try:
+        import fla
+        fla_version = fla.__version__
+    except Exception:
+        fla_version = None
+    record = dict(
+        benchmark="decode", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        card=card, versions=dict(torch=torch.__version__, triton=triton.__version__, fla=fla_version,
+                                 python=platform.python_version(), cuda=torch.version.cuda),
+        command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv if argv is not None else sys.argv[1:])),
+        rows=rows)
+    path = args.json or os.path.join(
+        ROOT, "benchmarks", "results",
+        f"decode_{datetime.date.today().isoformat()}_{card.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
