@@ -107,17 +107,18 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale
 
 def _bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
               use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta),
-            q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) if A_log is None else torch.empty_like(A_log),
-            q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) if dt_bias is None else torch.empty_like(dt_bias),
-            q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) if initial_state is None
-            else torch.empty_like(initial_state))
+    # Gradients are contiguous whatever the strides of the inputs (both implementations write them fresh).
+    grad = lambda x: q.new_empty(x.shape, dtype=x.dtype)  # noqa: E731
+    absent = lambda: q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)  # noqa: E731
+    return (grad(q), grad(k), grad(v), grad(g), grad(beta),
+            absent() if A_log is None else grad(A_log),
+            absent() if dt_bias is None else grad(dt_bias),
+            absent() if initial_state is None else grad(initial_state))
 
 
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
                     use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval):
-    return v.new_empty(v.shape), torch.empty_like(initial_state)
+    return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)
 
 
 chunk_kda_fwd_torch.register_fake(_fwd_fake)
