@@ -1,0 +1,71 @@
+"""The tiny KDA language model under torch.compile(fullgraph=True): same numbers as eager, no graph break,
+and one compile for every sequence length when compiled with dynamic shapes.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_ops.layers import KDAConfig, KDALanguageModel
+
+CFG = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_v_heads=4, head_dim=16)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return KDALanguageModel(KDAConfig(**CFG))
+
+
+def loss_fn(model, ids):
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_no_graph_break():
+    model = make_model()
+    explanation = torch._dynamo.explain(model)(torch.randint(0, 64, (2, 20)))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "kda_ops.chunk_kda_fwd" in ops                 # the op is one node, not inlined
+
+
+def test_compiled_forward_backward_equals_eager():
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 70), generator=torch.Generator().manual_seed(1))
+    eager, compiled = make_model(), make_model()
+    loss_eager = loss_fn(eager, ids)
+    loss_eager.backward()
+    loss_compiled = loss_fn(torch.compile(compiled, fullgraph=True), ids)
+    loss_compiled.backward()
+    torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-4, atol=0)
+    grads = dict(compiled.named_parameters())
+    for name, p in eager.named_parameters():
+        if any(key in name for key in ("A_log", "dt_bias", "q_proj", "f_proj.0", "conv", "embed")):
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_dynamic_sequence_length_compiles_once():
+    torch._dynamo.reset()
+    model = make_model()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    compiled(torch.randint(0, 64, (2, 5))).sum().backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (17, 33, 100):
+            ids = torch.randint(0, 64, (2, T))
+            model.zero_grad()
+            out = compiled(ids)
+            out.sum().backward()
+            torch.testing.assert_close(out, model(ids), rtol=1e-4, atol=1e-5)
+            assert model.blocks[0].attn.A_log.grad is not None
+
+
+@pytest.mark.gpu
+def test_compiled_bf16_training_step_cuda():
+    model = make_model().cuda()
+    compiled = torch.compile(model, fullgraph=True)
+    ids = torch.randint(0, 64, (4, 130), device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = loss_fn(compiled, ids)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
