@@ -16,10 +16,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_gradcheck_chunk_kda(case, monkeypatch):
     # Small chunks make the tiny problem span several chunks and a partial one.
-    import kda_ops.reference as reference
-    fwd, bwd = reference.chunk_kda_fwd_torch, reference.chunk_kda_bwd_torch
-    monkeypatch.setattr(reference, "chunk_kda_fwd_torch", lambda *a: fwd(*a, chunk_size=4))
-    monkeypatch.setattr(reference, "chunk_kda_bwd_torch", lambda *a: bwd(*a, chunk_size=4))
+    monkeypatch.setattr(kda_ops.ops, "TORCH_CHUNK_SIZE", 4)
     inputs, kw = case.make()
     names = [n for n in ("initial_state", "A_log", "dt_bias") if kw.get(n) is not None]
     leaves = [x.clone().requires_grad_() for x in inputs] + [kw[n].clone().requires_grad_() for n in names]
