@@ -69,3 +69,27 @@ def test_compiled_bf16_training_step_cuda():
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_compiled_backward_with_permuted_inputs():
+    """Dense but permuted q/k/v (cut from [B, H, T, K] tensors) through compiled forward + backward."""
+    import kda_ops
+    torch._dynamo.reset()
+    B, T, H, K = 2, 37, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(B, H, T, K, generator=gen, requires_grad=True) for _ in range(3)]
+    g = torch.randn(B, T, H, K, generator=gen, requires_grad=True)
+    beta = torch.randn(B, T, H, generator=gen, requires_grad=True)
+    A_log, dt_bias = torch.zeros(H, requires_grad=True), torch.zeros(H * K, requires_grad=True)
+
+    def f(q, k, v, g, beta, A_log, dt_bias):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))          # [B, T, H, K], not contiguous
+        o, _ = kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        return (o * o).sum()
+
+    inputs = (*leaves, g, beta, A_log, dt_bias)
+    want = torch.autograd.grad(f(*inputs), inputs)
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, dynamic=True)(*inputs), inputs)
+    for w, x in zip(want, got):
+        torch.testing.assert_close(x, w, rtol=1e-4, atol=1e-6)
