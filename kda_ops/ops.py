@@ -27,8 +27,8 @@ from . import kernels, reference
 
 _EMPTY_SHAPE = (0,)
 # Chunk size of the torch implementation. Any size gives the same result; on CPU its cost is dominated by
-# the per-pair decay tensor [C, C, K] of every chunk, and 16 ran 4-13x faster than 64 for T in 16..1024
-# (fwd + bwd, measured 2026-11-29 on the 2-core CI machine).
+# the per-pair decay tensor [C, C, K] of every chunk, and 16 ran 4-10x faster than 64 for T in 16..1024
+# (fwd + bwd, `python benchmarks/bench_cpu.py` on the 2-core CI machine, 2026-11-29).
 TORCH_CHUNK_SIZE = 16
 
 

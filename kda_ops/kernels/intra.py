@@ -268,7 +268,7 @@ def chunk_kda_fwd_intra(
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     layout = chunk_layout(B, T, cu_seqlens)
-    dev, dt = q.device, v.dtype
+    dev = q.device
     f32 = torch.float32
     out = IntraOut(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
