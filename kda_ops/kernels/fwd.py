@@ -28,6 +28,6 @@ def chunk_kda_fwd_triton(
     ...                              True, True, True, False, True)
     """
     intra = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                                use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+                                use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lowp=True)
     out = chunk_kda_fwd_state(intra, initial_state, cu_seqlens, output_final_state, v.dtype, store_o=True)
     return out.o, out.final_state

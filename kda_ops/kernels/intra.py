@@ -12,21 +12,22 @@ One program per (chunk, value head) computes, with prepare.py's helpers fused in
     qg       [BT, K]   scale * q * exp2(gam)             (the output's query, read by state.py)
 
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
-exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded):
-* off-diagonal 16x16 blocks (row block r, columns j < 16 r) are factored around the first row of the row
-  block, gam_ref = gam_{16 r}: (x_i exp2(gam_i - gam_ref)) . (k_j exp2(gam_ref - gam_j)), both factors
-  <= 1, tensor-core dots;
-* diagonal blocks are exact per token pair (a loop over the 16 columns of the block), whatever the gate.
-Aqk and L are built for all 64 rows at once (the four diagonal blocks together, one column of each block
-per step, so each step works on a [64, BK] tile; the off-diagonal blocks as three [64, BK] @ [BK, 64] dots
-with the rows outside the row block masked). The inverse is blockwise: D = (I + L_diag)^-1 for the four
-diagonal blocks at once (forward substitution in fp32 on a [4, 16, 16] tile), then the block merges as
-Tm = sum_{p<4} (-D L_off)^p D, three dots X <- D - (D L_off) X (a nilpotent series: exact). L and D are
-parked in the Tm output before Tm overwrites them.
-All of this is fp32 (the Aqk / Akk dots take 16-bit operands for 16-bit inputs, the inverse merges and
-the W, U dots tf32). W, U, kd, qg are stored in fp32: rounding U and kd to bf16 (truncation, in the
-interpreter) alone gave ~3e-3 relative error in the output and final state, and fp32 operands go straight
-from shared memory into the state pass's tf32 wgmma (bf16 ones cast in registers spilled).
+exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded).
+Per K-block, one of two paths, chosen in the kernel from the data (no host sync):
+* fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's 16-row block): each row
+  block r is one tensor-core dot against all columns j < 16 (r + 1), factored around its middle row:
+  (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); entries above the diagonal are masked after;
+* exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the diagonal 16x16 blocks
+  per token pair (a loop over the 16 columns of the block, all four blocks at once), the off-diagonal
+  blocks by dots factored around the first row of the row block (both factors <= 1).
+The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (forward substitution in
+fp32 on a [4, 16, 16] tile), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
+X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked in the Tm output before Tm overwrites
+them. All of this is fp32 (the Aqk / Akk dots take 16-bit operands for 16-bit inputs, the inverse merges and
+the W, U dots tf32). U, Aqk and kd are stored in fp32: rounding U or Aqk to bf16 alone costs ~1.6e-3
+relative error in the output (U - W S cancels), kd ~1.7e-3 in the final state. W and qg are stored in the
+16-bit input dtype when ``lowp`` (the forward: they feed bf16 dots in the state pass) and in fp32
+otherwise (the backward's recompute).
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ from .common import BC, BT, autotune_configs, chunk_bounds, chunk_layout, dot_pr
 from .prepare import load_beta, load_gam_block
 
 L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EPS (kernels do not import the reference)
+# Largest |gam_i - gam_m| (log2) for which the factored dots run on the diagonal blocks too: factors stay in
+# [2^-60, 2^60], so the masked entries above the diagonal stay finite (< 2^120 |q| |k|) and nothing flushes.
+SPAN = tl.constexpr(60.0)
 
 
 @triton.jit
@@ -72,7 +76,7 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias,        # [B,T,H,K] x2, [B,T,HV,V], [B,T,HV,K], [B,T,HV], [HV], [HV*K]
     gam, beta_act, Aqk, Tm,                  # out fp32: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2
-    W, U, kd, qg,                            # out fp32: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] x2
+    W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V] fp32, [B,T,HV,K] fp32, [B,T,HV,K]
     cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -144,29 +148,57 @@ def chunk_kda_fwd_kernel_intra(
         b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-        # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
-        for jj in range(BC):
-            o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
-            m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
-            # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
-            b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
-            b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
-            b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
-            m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
-            b_aqk_d += tl.where(m_col & (o_t >= o_jj)[:, None], tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
-            b_akk_d += tl.where(m_col & (o_t > o_jj)[:, None], tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
-        # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_ref = gam_{16 r}
-        for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
-            r0 = (i_r + 1) * BC
-            b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)    # [BK]
-            m_r = (o_t >= r0) & (o_t < r0 + BC)                                 # [BT] rows of block r
-            # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r) and exp2(gam_ref - gam_j) <= 1 (j < r0)
-            b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
-            b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
-            b_kc = tl.trans(b_kc).to(DOT_DT)
-            # [BT, BK] @ [BK, BT] -> [BT, BT]
-            b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
-            b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+        # Fast path: every block (diagonal ones included) by tensor-core dots factored around the middle row
+        # m_r of its row block, when all |gam_i - gam_m(i)| <= SPAN in this K-block: the row factors
+        # exp2(gam_i - gam_m) and the own-block column factors exp2(gam_m - gam_j) then stay in
+        # [2^-SPAN, 2^SPAN] (no overflow, no flush to zero in fp32 / bf16 / tf32); earlier column blocks
+        # have factors <= 1. Entries above the diagonal come out finite and are masked after the loop.
+        o_m = tl.minimum(o_j + BC // 2, Tc - 1)                          # [BT] middle row of i's row block
+        b_dm = b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)   # [BT, BK]
+        if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= SPAN:
+            b_e = tl.exp2(b_dm)                                         # [BT, BK] exp2(gam_i - gam_m(i))
+            b_qe = b_q * b_e
+            b_ke = b_k * b_e
+            for i_r in range(BT // BC):
+                r0 = i_r * BC
+                m_r = (o_t >= r0) & (o_t < r0 + BC)                      # [BT] rows of block r
+                rm = tl.minimum(r0 + BC // 2, Tc - 1)
+                b_gm = tl.load(gam + rm * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)   # [BK]
+                # [BT, BK] column factors exp2(gam_m - gam_j): <= 1 for the earlier blocks, <= 2^SPAN in the
+                # own block (the clamp there only keeps the unused later rows finite)
+                b_x = b_gm[None, :] - b_g
+                b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, SPAN))
+                b_kc = tl.where((o_t < r0 + BC)[:, None], b_k * tl.exp2(b_x), 0.0)
+                b_kc = tl.trans(b_kc).to(DOT_DT)
+                # [BT, BK] @ [BK, BT] -> [BT, BT] (rows of block r only)
+                b_aqk += tl.dot(tl.where(m_r[:, None], b_qe, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
+                b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
+        else:
+            # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
+            for jj in range(BC):
+                o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
+                m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
+                # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
+                b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
+                b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
+                b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
+                m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
+                b_aqk_d += tl.where(m_col & (o_t >= o_jj)[:, None], tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
+                b_akk_d += tl.where(m_col & (o_t > o_jj)[:, None], tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
+            # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_{16 r}
+            for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
+                r0 = (i_r + 1) * BC
+                b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)    # [BK]
+                m_r = (o_t >= r0) & (o_t < r0 + BC)                             # [BT] rows of block r
+                # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r), exp2(gam_ref - gam_j) <= 1 (j < r0)
+                b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
+                b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
+                b_kc = tl.trans(b_kc).to(DOT_DT)
+                # [BT, BK] @ [BK, BT] -> [BT, BT]
+                b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+                b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+    b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
+    b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
     # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the Tm output (scratch)
     b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
     b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
@@ -240,8 +272,9 @@ class IntraOut(NamedTuple):
 
     gam [B,T,HV,K] fp32 log2 units; beta [B,T,HV] fp32 activated; Aqk [B,T,HV,BT] fp32 (row i of a chunk at
     its token, column j = position in the chunk, scale included, zero for j > i); Tm [B,T,HV,BT] fp32
-    (I + L)^-1; W [B,T,HV,K], U [B,T,HV,V], kd [B,T,HV,K] = k exp2(gam_last - gam), qg [B,T,HV,K] =
-    scale q exp2(gam), all fp32 (q, k l2-normalised when use_qk_l2norm).
+    (I + L)^-1; U [B,T,HV,V] and kd [B,T,HV,K] = k exp2(gam_last - gam) fp32; W [B,T,HV,K] and
+    qg [B,T,HV,K] = scale q exp2(gam) fp32, or the 16-bit input dtype when built with lowp (q, k
+    l2-normalised when use_qk_l2norm).
     """
     gam: torch.Tensor
     beta: torch.Tensor
@@ -257,10 +290,11 @@ def chunk_kda_fwd_intra(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, lower_bound: Optional[float],
-    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool, lowp: bool = False,
 ) -> IntraOut:
     """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
     A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
+    lowp: store W and qg in v's dtype when that is 16-bit (what the forward's state pass reads).
 
     >>> out = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, K ** -0.5, None,
     ...                           True, True, True, False)
@@ -270,15 +304,16 @@ def chunk_kda_fwd_intra(
     layout = chunk_layout(B, T, cu_seqlens)
     dev = q.device
     f32 = torch.float32
+    wdt = v.dtype if lowp and v.dtype in (torch.bfloat16, torch.float16) else f32
     out = IntraOut(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         beta=torch.empty(B, T, HV, dtype=f32, device=dev),
         Aqk=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
         Tm=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
-        W=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        W=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
         U=torch.empty(B, T, HV, V, dtype=f32, device=dev),
         kd=torch.empty(B, T, HV, K, dtype=f32, device=dev),
-        qg=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        qg=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
     )
     dummy = out.gam
     grid = (layout.NT_total, HV)

@@ -7,8 +7,13 @@ as ONE fp32 accumulator and walks the sequence's chunks in order. Per chunk (all
     O  = qg S + Aqk Vn                               # [BT, BV]  output (scale folded into qg and Aqk)
     S  = diag(exp2(gam_last)) S + kd^T Vn            # state leaving the chunk
 
-The dots run in tf32 on fp32 operands (IEEE fp32 for fp32 inputs): the state pass is bound by latency
-and bytes, not by the tensor cores, and bf16 operands here cost ~3e-3 of relative error.
+Operands. In the forward (intra built with lowp) W and qg arrive in the 16-bit input dtype and their dots
+take S rounded to that dtype (~2e-4 of relative error on the output); U, Aqk and kd stay fp32 (rounding
+U or Aqk costs ~1.6e-3 each since U - W S cancels, kd ~1.7e-3 on the state), so Aqk Vn and kd^T Vn run in
+tf32. (A bf16 kd^T operand, loaded transposed, faulted in shared memory at K = 100 and 128 with
+triton 3.6 on the H200.) The backward's recompute passes fp32 W, qg too and every dot runs in tf32 (IEEE
+fp32 for fp32 inputs). The smaller W and qg let two pipeline stages fit in shared memory at K = 128: the
+loads of chunk c + 1 overlap the dots of chunk c.
 Fusing the output here means the per-chunk states never go through device memory in the plain
 forward; a backward that needs them asks for them (STORE_H) together with Vn (STORE_VN).
 """
@@ -20,34 +25,42 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, autotune_configs, chunk_layout, dot_precision
+from .common import BT, INTERPRET, autotune_configs, chunk_layout, dot_precision
 from .intra import IntraOut
 
 
 @triton.autotune(
     configs=autotune_configs([
-        # fp32 operand tiles: at K = 128 one pipeline stage takes ~73 KB of shared memory and two stages
-        # do not fit (262 KB > 227 KB, triton 3.6); two stages fit at K = 64 only
+        # one pipeline stage first (it fits at every K); two stages fit at K = 128 (188 KB with 16-bit W, qg
+        # at BV = 32); configs that do not fit are skipped. (BV = 16 with 8 warps gave wrong results with
+        # triton 3.6 on the H200 (tests/test_gpu_configs.py) and faulted at large shapes: not listed.)
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
-        triton.Config({"BV": 16}, num_warps=8, num_stages=1),
-        triton.Config({"BV": 64}, num_warps=8, num_stages=1),
+        triton.Config({"BV": 32}, num_warps=4, num_stages=2),
         triton.Config({"BV": 32}, num_warps=8, num_stages=2),
+        triton.Config({"BV": 16}, num_warps=4, num_stages=2),
+        triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     ]),
     key=["K", "V", "STORE_O", "STORE_H", "PREC"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_state(
-    W, U, kd, qg, Aqk, gam,                  # from intra, fp32: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] x2,
-                                             #   [B,T,HV,BT], [B,T,HV,K]
+    W, U, kd, qg, Aqk, gam,                  # from intra: [B,T,HV,K], [B,T,HV,V] fp32, [B,T,HV,K] x2,
+                                             #   [B,T,HV,BT] fp32, [B,T,HV,K] fp32 (W, qg: 16-bit in the forward)
     h0,                                      # [N, HV, K, V] fp32
     o, h, vn, ht,                            # out: [B,T,HV,V], [NT_total, HV, K, V], [B,T,HV,V], [N, HV, K, V] fp32
     cu_seqlens, chunk_offsets, T, HV,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
-    STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (cdiv(V, BV), N * HV)."""
+    """Grid (cdiv(V, BV), N * HV). UPCAST (interpreter, whose 16-bit dots are wrong): operands rounded to
+    W's dtype are multiplied in fp32."""
+    if UPCAST:
+        DOT_DT = tl.float32
+    else:
+        DOT_DT = W.dtype.element_ty      # 16-bit (the forward) or fp32 (the backward's recompute)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = (i_nh // HV).to(tl.int64), i_nh % HV
     if IS_VARLEN:
@@ -93,16 +106,17 @@ def chunk_kda_fwd_kernel_state(
         c_v = t_c * (HV * V)
         if STORE_H:
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
+        b_sd = b_s.to(W.dtype.element_ty).to(DOT_DT)          # [BK, BV] the state as a dot operand
         # [BT, BK] @ [BK, BV] -> [BT, BV]
-        b_w = tl.load(W + c_k + o_tk, mask=m_tk, other=0.0)
-        b_vn = tl.load(U + c_v + o_tv, mask=m_tv, other=0.0) - tl.dot(b_w, b_s, input_precision=PREC)
+        b_w = tl.load(W + c_k + o_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        b_vn = tl.load(U + c_v + o_tv, mask=m_tv, other=0.0) - tl.dot(b_w, b_sd, input_precision=PREC)
         if STORE_VN:
             tl.store(vn + (bos * HV + i_hv) * V + c_v + o_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
         if STORE_O:
             # [BT, BK] @ [BK, BV] + [BT, BT] @ [BT, BV] -> [BT, BV]
-            b_qg = tl.load(qg + c_k + o_tk, mask=m_tk, other=0.0)
+            b_qg = tl.load(qg + c_k + o_tk, mask=m_tk, other=0.0).to(DOT_DT)
             b_a = tl.load(Aqk + t_c * (HV * BT) + o_tt, mask=m_t[:, None], other=0.0)
-            b_o = tl.dot(b_qg, b_s, input_precision=PREC)
+            b_o = tl.dot(b_qg, b_sd, input_precision=PREC)
             b_o += tl.dot(b_a, b_vn, input_precision=PREC)
             tl.store(o + (bos * HV + i_hv) * V + c_v + o_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         # [BK, BT] kd^T; [BK] gam of the chunk's last valid row
@@ -154,6 +168,7 @@ def chunk_kda_fwd_state(
         pick(cu_seqlens), pick(layout.chunk_offsets), T, HV,
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_H=store_h, STORE_VN=store_vn,
-        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(dt),
+        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, UPCAST=INTERPRET,
+        PREC=dot_precision(dt),
     )
     return StateOut(o, h, vn, ht)

@@ -1,0 +1,87 @@
+"""Every autotune config of every chunked kernel, one at a time, on the GPU, against the fp64 recurrence.
+
+The other GPU tests run with whatever config the autotuner picks (or the first one with
+KDA_OPS_AUTOTUNE=0), so a config that is never picked there is never checked; a benchmark run that picks it
+would be the first to find out. Here each kernel runs in its own process (a faulting config kills the CUDA
+context), which pins the kernel to one config after another and checks forward + backward of the public op
+on a varlen case with GVA, in-op pre-processing and an initial state.
+
+    python -m pytest -q -m gpu tests/test_gpu_configs.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+KERNELS = [
+    "intra:chunk_kda_fwd_kernel_intra",
+    "state:chunk_kda_fwd_kernel_state",
+    "state_bwd:chunk_kda_bwd_kernel_state",
+    "chunk_bwd:chunk_kda_bwd_kernel_inter",
+    "intra_bwd:chunk_kda_bwd_kernel_intra",
+]
+TOL = dict(o=5e-3, ht=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dh0=8e-3, dg=2e-2, dbeta=2e-2, dA_log=2e-2, ddt_bias=2e-2)
+
+
+def run_all_configs(name: str) -> int:
+    """In the child process: pin kda_ops.kernels.<module>.<kernel> to each config in turn and check."""
+    import importlib
+
+    import kda_ops
+    from kda_case import Case, reference_grads, rel_rms
+
+    def find(n):
+        module, attr = n.split(":")
+        return getattr(importlib.import_module(f"kda_ops.kernels.{module}"), attr)
+
+    for other in KERNELS:                    # the kernels not under test keep their first config
+        if other != name:
+            find(other).configs = find(other).configs[:1]
+    kernel = find(name)
+    configs = list(kernel.configs)
+    c = Case(B=1, T=331, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, in_op=True, seqlens=[100, 37, 1, 193])
+    inputs, kw = c.make("cuda", seed=3)
+    inputs = [inputs[0], inputs[1], inputs[2], inputs[3].float(), inputs[4].float()]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    do = torch.randn(inputs[2].shape, generator=gen, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(4, 4, 128, 128, generator=gen, device="cuda")
+    ref = reference_grads(inputs, kw, do, dht)
+    failed = 0
+    for i, cfg in enumerate(configs):
+        print(f"config {i}: {cfg}", flush=True)
+        kernel.configs = [cfg]
+        kernel.cache.clear()
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        kw2 = {n: (x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                   else x) for n, x in kw.items()}
+        o, ht = kda_ops.chunk_kda(*leaves, **kw2)
+        ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+        got = dict(o=o, ht=ht, **dict(zip(("dq", "dk", "dv", "dg", "dbeta"), (x.grad for x in leaves))),
+                   dh0=kw2["initial_state"].grad, dA_log=kw2["A_log"].grad, ddt_bias=kw2["dt_bias"].grad)
+        errs = {n: rel_rms(x, ref[n]) for n, x in got.items()}
+        bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
+        print(f"config {i}: {'FAIL ' + str(bad) if bad else 'ok'} (max {max(errs.values()):.2e})", flush=True)
+        failed += bool(bad)
+    return failed
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_every_autotune_config(name):
+    env = dict(os.environ, KDA_OPS_AUTOTUNE="1", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, f"{name}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    print(r.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(min(run_all_configs(sys.argv[1]), 1))
