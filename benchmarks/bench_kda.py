@@ -124,7 +124,7 @@ def time_stages(x, D):
     from kda_ops.kernels.intra import chunk_kda_fwd_intra
     from kda_ops.kernels.state import chunk_kda_fwd_state
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, D ** -0.5, None,
-            True, True, True, False)
+            True, True, True, False, True)
     intra = chunk_kda_fwd_intra(*args)
     ms_intra = triton.testing.do_bench(lambda: chunk_kda_fwd_intra(*args), warmup=25, rep=100,
                                        return_mode="median")
@@ -132,6 +132,47 @@ def time_stages(x, D):
     st()
     ms_state = triton.testing.do_bench(st, warmup=25, rep=100, return_mode="median")
     return dict(stage_intra_ms=ms_intra, stage_state_ms=ms_state)
+
+
+def time_bwd_stages(x, D):
+    """Median ms of each backward launch (kda_ops.kernels.bwd.chunk_kda_bwd_triton, stage by stage)."""
+    from kda_ops.kernels.chunk_bwd import chunk_kda_bwd_inter
+    from kda_ops.kernels.intra import chunk_kda_fwd_intra
+    from kda_ops.kernels.intra_bwd import chunk_kda_bwd_intra
+    from kda_ops.kernels.prep_bwd import chunk_kda_bwd_qk, chunk_kda_bwd_rnorm
+    from kda_ops.kernels.state import chunk_kda_fwd_state
+    from kda_ops.kernels.state_bwd import chunk_kda_bwd_state
+    q, k, v, g, beta = (x[n].detach() for n in ("q", "k", "v", "g", "beta"))
+    A_log, dt_bias = x["A_log"].detach(), x["dt_bias"].detach()
+    do = torch.randn_like(v)
+    scale = D ** -0.5
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    out = {}
+    f_intra = lambda: chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, scale, None,  # noqa: E731
+                                          True, True, True, False)
+    intra = f_intra()
+    out["bwd_stage_intra_ms"] = bench(f_intra)
+    f_st = lambda: chunk_kda_fwd_state(intra, None, None, False, v.dtype, store_o=False,  # noqa: E731
+                                       store_h=True, store_vn=True)
+    st = f_st()
+    out["bwd_stage_state_fwd_ms"] = bench(f_st)
+    f_sb = lambda: chunk_kda_bwd_state(intra.qg, intra.kd, intra.W, intra.gam, intra.Aqk, do, None,  # noqa: E731
+                                       False, None)
+    dh, dvn, _ = f_sb()
+    out["bwd_stage_state_bwd_ms"] = bench(f_sb)
+    rq, rk = chunk_kda_bwd_rnorm(q, k)
+    out["bwd_stage_rnorm_ms"] = bench(lambda: chunk_kda_bwd_rnorm(q, k))
+    f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm, intra.W,  # noqa: E731
+                                       intra.U, st.h, st.vn, do, dh, dvn, None, scale)
+    dq, dk, dgam, dv, dAqk, dM, dbeta_p = f_in()
+    out["bwd_stage_inter_ms"] = bench(f_in)
+    f_ib = lambda: chunk_kda_bwd_intra(q, k, rq, rk, intra.gam, intra.beta, dAqk, dM, dq.clone(),  # noqa: E731
+                                       dk.clone(), dgam, dbeta_p, g, beta, A_log, dt_bias, None, None,
+                                       True, True, False)
+    dq2, dk2, *_ = f_ib()
+    out["bwd_stage_intra_bwd_ms"] = bench(f_ib)
+    out["bwd_stage_qk_ms"] = bench(lambda: chunk_kda_bwd_qk(dq2, dk2, q, k, True))
+    return out
 
 
 def versions():
@@ -149,7 +190,7 @@ def main():
     ap.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D (K = V = D)")
     ap.add_argument("--providers", default="kda_ops,fla", help="comma list of kda_ops, fla")
-    ap.add_argument("--stages", action="store_true", help="fwd: also time our two launches separately")
+    ap.add_argument("--stages", action="store_true", help="also time our launches one by one")
     ap.add_argument("--fla-from", default=None,
                     help="results JSON of an earlier run of this script (same card and mode): take the FLA "
                          "times from it instead of timing FLA again (FLA autotunes for minutes on first use)")
@@ -201,9 +242,9 @@ def main():
             row[f"{name}_ms"] = ms
             if backward:
                 row[f"{name}_peak_mib"] = mib
-        if args.stages and not backward:
+        if args.stages:
             try:
-                row.update(time_stages(x, D))
+                row.update(time_bwd_stages(x, D) if backward else time_stages(x, D))
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row["stages_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -223,6 +264,9 @@ def main():
         if backward:
             line += f" | {fmt(r.get('kda_ops_peak_mib'), '{:.0f}'):>11} {fmt(r.get('fla_peak_mib'), '{:.0f}'):>8}"
         print(line, flush=True)
+        if "bwd_stage_intra_ms" in r:
+            print(f"{'':>20}   stages: " + ", ".join(f"{n[10:-3]} {v:.3f}" for n, v in r.items()
+                                                    if n.startswith("bwd_stage_")), flush=True)
         if "stage_intra_ms" in r:
             print(f"{'':>20}   stages: intra {r['stage_intra_ms']:.3f} ms, state+output {r['stage_state_ms']:.3f} ms",
                   flush=True)
