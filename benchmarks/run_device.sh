@@ -1,25 +1,63 @@
 #!/bin/bash
-# One device call: GPU forward tests, then the benchmark. Logs and JSON under $OUT (default ./out).
-#   bash benchmarks/run_device.sh [fwd|fwdbwd|tests|all] [extra bench args...]
+# One call on the lent GPU machine: carried wheels, GPU tests, benchmarks, MQAR, export, AOTI probe.
+#
+#   bash benchmarks/run_device.sh [step ...]     (repo root; carry .wheels; default: every step)
+#   steps: tests configs fwd fwdbwd mqar export aoti
+#
+# Each step has its own time limit and writes its log under $OUT (default ./out); at the end everything is
+# packed into $OUT/results.tgz as well, because the device tool brings back at most 8 files. Set
+# KDA_OPS_AUTOTUNE=0 in the environment for first-config runs. Budget for every step: ~15 min (FLA autotunes
+# for minutes on first use in fwd / fwdbwd; MQAR trains for ~3-4 min).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-WHAT=${1:-all}; shift || true
+STEPS=${*:-tests configs fwd fwdbwd mqar export aoti}
 if [ -d .wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
-if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
-  KDA_OPS_AUTOTUNE=0 timeout 300 python3 -m pytest -q -rA -n 8 -p no:cacheprovider tests/test_gpu_fwd.py \
-    > "$OUT/gpu_tests.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|: o |passed|failed" "$OUT/gpu_tests.log" | tail -40
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv | tee "$OUT/gpu.txt"
+git log -1 --format='%H %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+
+if has tests; then
+  step tests
+  KDA_OPS_AUTOTUNE=${KDA_OPS_AUTOTUNE:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests --ignore tests/test_gpu_configs.py > "$OUT/gpu_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -20
 fi
-if [ "$WHAT" = all ] || [ "$WHAT" = fwd ]; then
-  python3 benchmarks/bench_kda.py --mode fwd --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_fwd.log" | tail -30
+if has configs; then
+  step configs
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_configs.py > "$OUT/configs.log" 2>&1
+  grep -E "FAIL|passed|failed" "$OUT/configs.log" | tail -20
 fi
-if [ "$WHAT" = fwdbwd ]; then
-  python3 benchmarks/bench_kda.py --mode fwdbwd --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_fwdbwd.log" | tail -30
+if has fwd; then
+  step fwd
+  timeout 400 python3 benchmarks/bench_kda.py --mode fwd --stages --out "$OUT" > "$OUT/bench_fwd.log" 2>&1
+  grep -v "^\s*File\|^\s*\^" "$OUT/bench_fwd.log" | tail -25
 fi
+if has fwdbwd; then
+  step fwdbwd
+  timeout 500 python3 benchmarks/bench_kda.py --mode fwdbwd --stages --out "$OUT" > "$OUT/bench_fwdbwd.log" 2>&1
+  grep -v "^\s*File\|^\s*\^" "$OUT/bench_fwdbwd.log" | tail -25
+fi
+if has mqar; then
+  step mqar
+  timeout 420 python3 examples/train_compiled.py --out "$OUT/mqar" > "$OUT/mqar.log" 2>&1
+  tail -5 "$OUT/mqar.log"
+fi
+if has export; then
+  step export
+  timeout 200 python3 -m export --tiny --device cuda --formats pt2 --out /tmp/kda_export > "$OUT/export.log" 2>&1
+  tail -8 "$OUT/export.log"
+fi
+if has aoti; then
+  step aoti
+  timeout 300 python3 benchmarks/aoti_probe.py > "$OUT/aoti_probe.log" 2>&1
+  tail -c 3000 "$OUT/aoti_probe.log"
+fi
+step done
+tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/results.tgz" && ls -la "$OUT"
