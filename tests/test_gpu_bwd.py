@@ -2,7 +2,7 @@
 
 Every axis is covered without the full cross product: T in {1, 63, 64, 500, 1000, 2048}, K = V in
 {64, 100, 128, 256}, (H, HV) in {(4, 4), (2, 8)}, varlen (>= 4 sequences, one shorter than a chunk), every
-pre-processing flag, with / without an initial state and a final-state gradient; bf16 inputs.
+pre-processing flag, with / without an initial state and a final-state gradient; bf16 inputs (one fp16 case).
 Error: relative RMS ||a - b|| / ||b|| per gradient, through the launcher (kda_ops.kernels.chunk_kda_bwd_triton)
 and, for a few cases, through the public op (kda_ops.chunk_kda + .backward()).
 
@@ -25,8 +25,8 @@ TOL = dict(dq=8e-3, dk=8e-3, dv=8e-3, dh0=8e-3, dg=2e-2, dbeta=2e-2, dA_log=2e-2
 bf16 = torch.bfloat16
 
 
-def case(B, T, H, HV, D, dht=True, **kw):
-    c = Case(B=B, T=T, H=H, HV=HV, K=D, V=D, dtype=bf16, **kw)
+def case(B, T, H, HV, D, dht=True, dtype=bf16, **kw):
+    c = Case(B=B, T=T, H=H, HV=HV, K=D, V=D, dtype=dtype, **kw)
     return pytest.param(c, dht, id=c.id.replace("-bfloat16", "") + ("" if dht else "-nodht"))
 
 
@@ -42,6 +42,7 @@ CASES = [
     case(1, 2048, 2, 8, 100),
     case(1, 1031, 2, 8, 100, in_op=True, lower_bound=-5.0, seqlens=[17, 300, 64, 500, 150]),
     case(1, 700, 4, 4, 128, in_op=True, seqlens=[200, 63, 1, 436], initial_state=False),
+    case(1, 500, 2, 8, 128, in_op=True, dtype=torch.float16),
 ]
 
 

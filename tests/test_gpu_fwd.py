@@ -71,6 +71,7 @@ CASES = [
     Case(1, 782, 4, 4, 128, seqlens=(17, 200, 64, 1, 500)),
     Case(1, 1183, 2, 8, 100, lower_bound=-5.0, h0=False, seqlens=(63, 1000, 5, 115)),
     Case(1, 300, 4, 4, 64, dtype=torch.float32, neg_eigval=True, seqlens=(100, 64, 36, 100)),
+    Case(1, 700, 2, 8, 128, dtype=torch.float16, seqlens=(300, 17, 383)),    # fp16 with the gate in the op
 ]
 
 

@@ -23,11 +23,12 @@ Per K-block, one of two paths, chosen in the kernel from the data (no host sync)
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (forward substitution in
 fp32 on a [4, 16, 16] tile), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked in the Tm output before Tm overwrites
-them. All of this is fp32 (the Aqk / Akk dots take 16-bit operands for 16-bit inputs, the inverse merges and
-the W, U dots tf32). U, Aqk and kd are stored in fp32: rounding U or Aqk to bf16 alone costs ~1.6e-3
-relative error in the output (U - W S cancels), kd ~1.7e-3 in the final state. W and qg are stored in the
-16-bit input dtype when ``lowp`` (the forward: they feed bf16 dots in the state pass) and in fp32
-otherwise (the backward's recompute).
+them. All of this is fp32 (the inverse merges and the W, U dots in tf32). U, Aqk and kd are stored in fp32: rounding U or Aqk to bf16 alone costs ~1.6e-3
+relative error in the output (U - W S cancels), kd ~1.7e-3 in the final state. W and qg are stored in
+bf16 when ``lowp`` and the inputs are bf16 (the forward: they feed bf16 dots in the state pass) and in fp32
+otherwise (the backward's recompute; fp16 inputs, whose range is too small for the state as a dot operand).
+The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
+reach 2^SPAN, past fp16's range).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def chunk_kda_fwd_kernel_intra(
     Tc = tl.minimum(eos - t0, BT)
     f_scale = tl.cast(scale, tl.float32)
     f_lb = tl.cast(lower_bound, tl.float32)
-    if LOWP_DOT:   # operand dtype of the Aqk / Akk dots: the 16-bit dtype of v, else fp32
+    if LOWP_DOT:   # operand dtype of the Aqk / Akk dots: bf16 for bf16 inputs, else fp32
         DOT_DT = v.dtype.element_ty
     else:
         DOT_DT = tl.float32
@@ -273,7 +274,7 @@ class IntraOut(NamedTuple):
     gam [B,T,HV,K] fp32 log2 units; beta [B,T,HV] fp32 activated; Aqk [B,T,HV,BT] fp32 (row i of a chunk at
     its token, column j = position in the chunk, scale included, zero for j > i); Tm [B,T,HV,BT] fp32
     (I + L)^-1; U [B,T,HV,V] and kd [B,T,HV,K] = k exp2(gam_last - gam) fp32; W [B,T,HV,K] and
-    qg [B,T,HV,K] = scale q exp2(gam) fp32, or the 16-bit input dtype when built with lowp (q, k
+    qg [B,T,HV,K] = scale q exp2(gam) fp32, or bf16 when built with lowp from bf16 inputs (q, k
     l2-normalised when use_qk_l2norm).
     """
     gam: torch.Tensor
@@ -294,7 +295,7 @@ def chunk_kda_fwd_intra(
 ) -> IntraOut:
     """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
     A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
-    lowp: store W and qg in v's dtype when that is 16-bit (what the forward's state pass reads).
+    lowp: store W and qg in bf16 when v is bf16 (what the forward's state pass reads); fp32 otherwise.
 
     >>> out = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, K ** -0.5, None,
     ...                           True, True, True, False)
@@ -304,7 +305,7 @@ def chunk_kda_fwd_intra(
     layout = chunk_layout(B, T, cu_seqlens)
     dev = q.device
     f32 = torch.float32
-    wdt = v.dtype if lowp and v.dtype in (torch.bfloat16, torch.float16) else f32
+    wdt = v.dtype if lowp and v.dtype == torch.bfloat16 else f32     # fp16: S could overflow as a dot operand
     out = IntraOut(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         beta=torch.empty(B, T, HV, dtype=f32, device=dev),
@@ -327,6 +328,8 @@ def chunk_kda_fwd_intra(
         USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
         USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype), LOWP_DOT=lowp_dot(v.dtype),
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
+        # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
+        LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
     )
     return out

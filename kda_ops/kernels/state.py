@@ -7,7 +7,7 @@ as ONE fp32 accumulator and walks the sequence's chunks in order. Per chunk (all
     O  = qg S + Aqk Vn                               # [BT, BV]  output (scale folded into qg and Aqk)
     S  = diag(exp2(gam_last)) S + kd^T Vn            # state leaving the chunk
 
-Operands. In the forward (intra built with lowp) W and qg arrive in the 16-bit input dtype and their dots
+Operands. In the forward (intra built with lowp, bf16 inputs) W and qg arrive in bf16 and their dots
 take S rounded to that dtype (~2e-4 of relative error on the output); U, Aqk and kd stay fp32 (rounding
 U or Aqk costs ~1.6e-3 each since U - W S cancels, kd ~1.7e-3 on the state), so Aqk Vn and kd^T Vn run in
 tf32. (A bf16 kd^T operand, loaded transposed, faulted in shared memory at K = 100 and 128 with
@@ -31,7 +31,7 @@ from .intra import IntraOut
 
 @triton.autotune(
     configs=autotune_configs([
-        # one pipeline stage first (it fits at every K); two stages fit at K = 128 (188 KB with 16-bit W, qg
+        # one pipeline stage first (it fits at every K); two stages fit at K = 128 (188 KB with bf16 W, qg
         # at BV = 32); configs that do not fit are skipped. (BV = 16 with 8 warps gave wrong results with
         # triton 3.6 on the H200 (tests/test_gpu_configs.py) and faulted at large shapes: not listed.)
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
@@ -46,7 +46,7 @@ from .intra import IntraOut
 @triton.jit
 def chunk_kda_fwd_kernel_state(
     W, U, kd, qg, Aqk, gam,                  # from intra: [B,T,HV,K], [B,T,HV,V] fp32, [B,T,HV,K] x2,
-                                             #   [B,T,HV,BT] fp32, [B,T,HV,K] fp32 (W, qg: 16-bit in the forward)
+                                             #   [B,T,HV,BT] fp32, [B,T,HV,K] fp32 (W, qg: bf16 in a bf16 forward)
     h0,                                      # [N, HV, K, V] fp32
     o, h, vn, ht,                            # out: [B,T,HV,V], [NT_total, HV, K, V], [B,T,HV,V], [N, HV, K, V] fp32
     cu_seqlens, chunk_offsets, T, HV,
@@ -60,7 +60,7 @@ def chunk_kda_fwd_kernel_state(
     if UPCAST:
         DOT_DT = tl.float32
     else:
-        DOT_DT = W.dtype.element_ty      # 16-bit (the forward) or fp32 (the backward's recompute)
+        DOT_DT = W.dtype.element_ty      # bf16 (a bf16 forward) or fp32 (fp16 / fp32 inputs, the recompute)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = (i_nh // HV).to(tl.int64), i_nh % HV
     if IS_VARLEN:
