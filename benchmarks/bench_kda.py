@@ -131,7 +131,12 @@ def time_stages(x, D):
     st = lambda: chunk_kda_fwd_state(intra, None, None, False, x["v"].dtype)  # noqa: E731
     st()
     ms_state = triton.testing.do_bench(st, warmup=25, rep=100, return_mode="median")
-    return dict(stage_intra_ms=ms_intra, stage_state_ms=ms_state)
+    # the same pass without the output (no qg S, no Aqk Vn, nothing stored but the final state): the cost of
+    # the recurrence alone, to split the state launch's time between the recurrence and the fused output
+    st0 = lambda: chunk_kda_fwd_state(intra, None, None, True, x["v"].dtype, store_o=False)  # noqa: E731
+    st0()
+    ms_rec = triton.testing.do_bench(st0, warmup=25, rep=100, return_mode="median")
+    return dict(stage_intra_ms=ms_intra, stage_state_ms=ms_state, stage_recurrence_only_ms=ms_rec)
 
 
 def time_bwd_stages(x, D):
@@ -268,8 +273,8 @@ def main():
             print(f"{'':>20}   stages: " + ", ".join(f"{n[10:-3]} {v:.3f}" for n, v in r.items()
                                                     if n.startswith("bwd_stage_")), flush=True)
         if "stage_intra_ms" in r:
-            print(f"{'':>20}   stages: intra {r['stage_intra_ms']:.3f} ms, state+output {r['stage_state_ms']:.3f} ms",
-                  flush=True)
+            print(f"{'':>20}   stages: intra {r['stage_intra_ms']:.3f} ms, state+output {r['stage_state_ms']:.3f} ms"
+                  f" (recurrence alone {r['stage_recurrence_only_ms']:.3f} ms)", flush=True)
         result["rows"].append(row)
         with open(path, "w") as fh:
             json.dump(result, fh, indent=1)
