@@ -80,18 +80,26 @@ class Case:
         return inputs, kw
 
 
-def reference_grads(inputs, kw, do, dht):
-    """Autograd through the float64 recurrence: returns dict of output and gradient tensors."""
-    from kda_ops.reference import naive_recurrent_kda
-    ins = [x.detach().double().requires_grad_() for x in inputs]
-    kw64 = {n: (x.detach().double().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
-                else x) for n, x in kw.items()}
-    o, ht = naive_recurrent_kda(*ins, **kw64)
-    loss = (o * do.double()).sum() + (ht * dht.double()).sum()
+def op_grads(fn, inputs, kw, do, dht, cast=lambda x: x.clone()):
+    """Outputs and gradients of fn (naive_recurrent_kda, kda_ops.chunk_kda, ...) for the loss
+    <o, do> + <ht, dht>, with every float input cast (a copy) and made a leaf: dict of o, ht, dq, dk, dv, dg,
+    dbeta and, when given, dh0, dA_log, ddt_bias."""
+    ins = [cast(x.detach()).requires_grad_() for x in inputs]
+    kw2 = {n: (cast(x.detach()).requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
+               else x) for n, x in kw.items()}
+    o, ht = fn(*ins, **kw2)
+    dt = torch.float64 if o.dtype == torch.float64 else torch.float32      # the loss's accumulation dtype
+    loss = (o.to(dt) * do.to(dt)).sum() + (ht.to(dt) * dht.to(dt)).sum()
     loss.backward()
     out = dict(o=o.detach(), ht=ht.detach(), dq=ins[0].grad, dk=ins[1].grad, dv=ins[2].grad, dg=ins[3].grad,
                dbeta=ins[4].grad)
     for name, key in (("initial_state", "dh0"), ("A_log", "dA_log"), ("dt_bias", "ddt_bias")):
-        if kw64.get(name) is not None:
-            out[key] = kw64[name].grad
+        if kw2.get(name) is not None:
+            out[key] = kw2[name].grad
     return out
+
+
+def reference_grads(inputs, kw, do, dht):
+    """Autograd through the float64 recurrence: returns dict of output and gradient tensors."""
+    from kda_ops.reference import naive_recurrent_kda
+    return op_grads(naive_recurrent_kda, inputs, kw, do, dht, cast=lambda x: x.double())

@@ -37,7 +37,7 @@ def run_all_configs(name: str) -> int:
     import importlib
 
     import kda_ops
-    from kda_case import Case, reference_grads, rel_rms
+    from kda_case import Case, op_grads, reference_grads, rel_rms
 
     def find(n):
         module, attr = n.split(":")
@@ -60,13 +60,7 @@ def run_all_configs(name: str) -> int:
         print(f"config {i}: {cfg}", flush=True)
         kernel.configs = [cfg]
         kernel.cache.clear()
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        kw2 = {n: (x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
-                   else x) for n, x in kw.items()}
-        o, ht = kda_ops.chunk_kda(*leaves, **kw2)
-        ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
-        got = dict(o=o, ht=ht, **dict(zip(("dq", "dk", "dv", "dg", "dbeta"), (x.grad for x in leaves))),
-                   dh0=kw2["initial_state"].grad, dA_log=kw2["A_log"].grad, ddt_bias=kw2["dt_bias"].grad)
+        got = op_grads(kda_ops.chunk_kda, inputs, kw, do, dht)
         errs = {n: rel_rms(x, ref[n]) for n, x in got.items()}
         bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
         print(f"config {i}: {'FAIL ' + str(bad) if bad else 'ok'} (max {max(errs.values()):.2e})", flush=True)
