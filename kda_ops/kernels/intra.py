@@ -23,10 +23,12 @@ Per K-block, one of two paths, chosen in the kernel from the data (no host sync)
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (forward substitution in
 fp32 on a [4, 16, 16] tile), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked in the Tm output before Tm overwrites
-them. All of this is fp32 (the inverse merges and the W, U dots in tf32). U, Aqk and kd are stored in fp32: rounding U or Aqk to bf16 alone costs ~1.6e-3
-relative error in the output (U - W S cancels), kd ~1.7e-3 in the final state. W and qg are stored in
-bf16 when ``lowp`` and the inputs are bf16 (the forward: they feed bf16 dots in the state pass) and in fp32
-otherwise (the backward's recompute; fp16 inputs, whose range is too small for the state as a dot operand).
+them. All of this is fp32 (the inverse merges and the W, U dots in tf32).
+U, Aqk and kd are stored in fp32: rounding U or Aqk to bf16 alone costs ~1.6e-3 relative error in the
+output (U - W S cancels), kd ~1.7e-3 in the final state (benchmarks/precision_bf16.py). W and qg are stored
+in bf16 when ``lowp`` and the inputs are bf16 (the forward: they feed bf16 dots in the state pass; W, qg
+and the state rounded together cost ~3e-4) and in fp32 otherwise (the backward's recompute; fp16 inputs,
+whose range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
 reach 2^SPAN, past fp16's range).
 """

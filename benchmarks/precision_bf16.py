@@ -1,0 +1,50 @@
+"""What rounding each forward intermediate to bf16 costs, on CPU: the numbers behind intra.py's / state.py's
+choice of which tensors the forward stores in bf16 (W, qg) and which stay fp32 (U, Aqk, kd).
+
+    python benchmarks/precision_bf16.py
+
+The chunked forward of kda_ops.reference (fp64) is run once exactly and once with one tensor rounded to bf16
+(round to nearest, as the GPU stores it) before the state pass uses it; printed: relative RMS error of the
+output and the final state against the exact run. Case: tests/kda_case.Case with the gate, l2norm and beta
+sigmoid in the op, T = 1024, K = V = 128, bf16 inputs, an initial state.
+"""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from kda_case import Case, rel_rms  # noqa: E402
+from kda_ops import reference as R  # noqa: E402
+
+
+def main():
+    c = Case(B=1, T=1024, H=2, HV=2, K=128, V=128, dtype=torch.bfloat16, in_op=True, initial_state=True)
+    (q, k, v, g, beta), kw = c.make()
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    p, h0, _, _, _ = R._prepare(q, k, v, g, beta, kw["A_log"].double(), kw["dt_bias"].double(),
+                                kw["initial_state"].double(), None, None, True, True, True, False, 64)
+    x = R._Intra(p["q"], p["k"], p["v"], p["g"], p["beta"], c.K ** -0.5)
+    scale = c.K ** -0.5
+
+    def forward(rounded):
+        """o and the final state with the named tensors rounded to bf16 ('S': the state as a dot operand)."""
+        r = lambda name, t: t.to(torch.bfloat16).double() if name in rounded else t  # noqa: E731
+        S, outs = h0, []
+        for i in range(x.gam.shape[2]):
+            vn = r("U", x.u[:, :, i]) - r("W", x.w[:, :, i]) @ r("S", S)
+            outs.append(scale * r("qg", x.qg[:, :, i]) @ r("S", S) + r("Aqk", x.aqk[:, :, i]) @ vn)
+            S = x.eg_last[:, :, i, :, None] * S + r("kd", x.kd[:, :, i]).transpose(-1, -2) @ vn
+        return torch.stack(outs, 2), S
+
+    o0, s0 = forward(())
+    print(f"{'rounded to bf16':<24} {'o rel RMS':>10} {'state rel RMS':>14}")
+    for rounded in [("U",), ("Aqk",), ("kd",), ("W",), ("qg",), ("S",), ("W", "qg", "S"),
+                    ("U", "Aqk", "kd", "W", "qg", "S")]:
+        o1, s1 = forward(rounded)
+        print(f"{', '.join(rounded):<24} {rel_rms(o1, o0):>10.2e} {rel_rms(s1, s0):>14.2e}")
+
+
+if __name__ == "__main__":
+    main()
