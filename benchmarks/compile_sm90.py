@@ -1,0 +1,80 @@
+"""Offline sm_90 (H100 / H200) compile of the forward kernels, no GPU needed: registers, spills, shared memory.
+
+    PYTHONPATH=<site-packages with triton 3.6> python benchmarks/compile_sm90.py [intra] [state]
+
+Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
+tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
+shows spills the GPU build does not have). Registers and spills come from the cuobjdump in the triton wheel.
+This is how the register counts in benchmarks/NOTES.md and the shared-memory notes in kernels/state.py
+were read.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kda_ops.kernels.intra import chunk_kda_fwd_kernel_intra  # noqa: E402
+from kda_ops.kernels.state import chunk_kda_fwd_kernel_state  # noqa: E402
+
+OUT = tempfile.mkdtemp(prefix="kda_sm90_")
+target = GPUTarget("cuda", 90, 32)
+cuobj = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump')
+
+def comp(jf, sig, consts, num_warps, num_stages, tag):
+    fn = jf
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn
+    names = list(fn.arg_names)
+    attrs = {(names.index(nm),): [['tt.divisibility', 16]] for nm, ty in sig.items() if ty.startswith('*')}
+    t = time.time()
+    try:
+        k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+    except Exception as e:
+        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:300]}"); return
+    path = os.path.join(OUT, f'{tag}.cubin')
+    open(path, 'wb').write(k.asm['cubin'])
+    out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout
+    res = [l.strip() for l in out.splitlines() if 'REG' in l]
+    print(f"  {tag}: shared {k.metadata.shared} {res} ({time.time()-t:.1f}s)", flush=True)
+
+def intra(dt='bf16', K=128, V=128, w=8, BK=32, wdt=None, **flags):
+    wdt = wdt or dt
+    names = ['q','k','v','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV']
+    types = [f'*{dt}']*5 + ['*fp32']*2 + ['*fp32']*4 + [f'*{wdt}', '*fp32', '*fp32', f'*{wdt}', '*i32','*i32','fp32','fp32','i32','i32','i32','i32']
+    sig = dict(zip(names, types))
+    c = dict(K=K, V=V, BT=64, BC=16, BK=BK, BV=min(64, triton.next_power_of_2(V)),
+             USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
+             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32')
+    c.update(flags)
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_fwd_kernel_intra, sig, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
+
+def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
+    names = ['W','U','kd','qg','Aqk','gam','h0','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV']
+    types = [f'*{wdt}','*fp32','*fp32',f'*{wdt}','*fp32','*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32']
+    sig = dict(zip(names, types))
+    c = dict(K=K, V=V, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_H0=True, STORE_O=True, STORE_H=False,
+             STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32')
+    c.update(flags)
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_fwd_kernel_state, sig, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
+
+if __name__ == '__main__':
+    what = sys.argv[1:] or ['intra', 'state']
+    if 'intra' in what:
+        intra(); intra(BK=64); intra(w=4); intra(wdt='fp32'); intra(K=256, V=256); intra('fp32', K=100, V=100)
+    if 'state' in what:
+        for K in (128, 256, 64):
+            for (BV, w, s) in [(32, 8, 1), (32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 2)]:
+                state(K=K, V=K, BV=BV, w=w, s=s)
+        state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=1)
+        state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)
+        state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=16, s=1)
+        state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=2)
