@@ -3,19 +3,27 @@
 Aqk[i, j] = scale sum_d q_i k_j exp(Gam_i - Gam_j) (j <= i) and Akk[i, j] = sum_d k_i k_j exp(Gam_i - Gam_j)
 (j < i). Given dAqk (= P, with the scale) and dM (stage 2), dAkk = beta_i dM:
 
-    dq_i  += sum_j P_ij k_j e_ij             dk_j += sum_i P_ij q_i e_ij + sum_i dAkk_ij k_i e_ij
+    dq_i  += sum_j P_ij k_j e_ij             dk_j += sum_i P_ij q_i e_ij + sum_i dAkk_ij k_i e_ij   (= dk_a)
     X_i    = sum_j dM_ij k_j e_ij            dk_i += beta_i X_i           dbeta_i += <k_i, X_i>
-    dGam  += q dq_a - k dk_aq + k (dk_ai - dk_aj)
+    dGam  += q dq_a + k (beta X - dk_a)
 
-e_ij = exp(Gam_i - Gam_j) is never formed as exp(Gam_i) exp(-Gam_j) over a span that can overflow: the
-chunk is cut into 16-row blocks; for one row block, all earlier columns are factored around the block's first
-row (row-direction sums) and all later rows around the block's last row (column-direction sums), so both
-factors are <= 1 and each side is one tensor-core dot over the chunk; the diagonal 16x16 block is exact per
-token pair, as one [16, 16, BK] tile.
-
-One program per (chunk, value head) loops over K-blocks (the decay is elementwise in K) and walks the row
-blocks last to first, carrying the running sum of dGam so that dg = reverse cumsum of dGam inside the
-chunk; then the gate and beta chain rules (per-program partial sums for dA_log / ddt_bias).
+e_ij = exp(Gam_i - Gam_j) is never formed as exp(Gam_i) exp(-Gam_j) over a span that can overflow. One
+program per (chunk, value head) loops over K-blocks (the decay is elementwise in K) and holds the whole chunk
+in [64, BK] tiles. The chunk is cut into four 16-row blocks; for each block r, each of the four sums is one
+M = 64 tensor-core dot over the chunk, factored around a reference row of block r, its output kept on the
+rows (row-direction sums: dq_a, X) or on the columns (the column-direction sum dk_a) of block r.
+Per K-block one of two cases, chosen in the kernel from the data (no host sync), with the same test and SPAN
+as the forward (intra.py):
+* fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the middle
+  row m, and the dots cover the diagonal block too: row side exp2(gam_i - gam_m), column side
+  exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one <= 1;
+* exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the dots cover the earlier
+  columns only, factored around the block's first row (row direction), and the later rows only, factored
+  around its last row (column direction), so both factors are <= 1; the four diagonal 16x16 blocks are then
+  added exactly per token pair, elementwise on [64, BK] tiles in 16 steps (step s pairs each row with the
+  s-th row of its block).
+Then dg = reverse cumsum of dGam over the chunk's rows, and the gate and beta chain rules (per-program partial
+sums for dA_log / ddt_bias).
 """
 from __future__ import annotations
 
@@ -27,13 +35,14 @@ import triton.language as tl
 
 from .chunk_bwd import load_rows
 from .common import BC, BT, autotune_configs, chunk_bounds, chunk_layout, dot_precision
+from .intra import SPAN
 
 
 @triton.autotune(
     configs=autotune_configs([
         triton.Config({"BK": 32}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 16}, num_warps=8, num_stages=1),   # no spills at any K, fp32 inputs included
         triton.Config({"BK": 16}, num_warps=4, num_stages=1),
-        triton.Config({"BK": 32}, num_warps=4, num_stages=1),
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
     ]),
     key=["K", "USE_GATE", "PREC"],
@@ -50,7 +59,7 @@ def chunk_kda_bwd_kernel_intra(
     USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr, HAS_ALOG: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, value head): grid (NT_total, HV). Loops K-blocks, then row blocks last to first."""
+    """One program per (chunk, value head): grid (NT_total, HV). Loops K-blocks, the whole chunk per K-block."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -79,116 +88,141 @@ def chunk_kda_bwd_kernel_intra(
     dbeta_p += t0 * HV + i_hv
 
     o_t = tl.arange(0, BT)          # position in the chunk
-    o_c = tl.arange(0, BC)          # position in a row block
     m_t = o_t < Tc
+    o_f = (o_t // BC) * BC          # first row of each row's block
     # [BT]
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     b_dalog = tl.zeros([BK], dtype=tl.float32)
+    b_a = 1.0
     if USE_GATE:
         if HAS_ALOG:
             b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        else:
-            b_a = 1.0
+    # [BT, BT] P = dAqk (causal) and dM (strictly lower), rows i and columns j, loaded once (the dots' operands
+    # for every K-block): masked here, whatever stage 2 stored above the diagonal
+    p_a = o_t[:, None] * sa + o_t[None, :]
+    b_p = tl.load(dAqk + p_a, mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+    b_m = tl.load(dM + p_a, mask=m_t[:, None] & (o_t[None, :] < o_t[:, None]), other=0.0)
+    b_pt = tl.trans(b_p)
+    b_mt = tl.trans(b_m)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = o_t[:, None] * sg + o_k[None, :]
         # [BT, BK] the whole chunk
         b_q = load_rows(q, rq, o_t, m_t, o_k, m_k, sq, H, USE_L2NORM)
         b_k = load_rows(k, rk, o_t, m_t, o_k, m_k, sq, H, USE_L2NORM)
-        b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-        b_carry = tl.zeros([BK], dtype=tl.float32)
-        b_ddt = tl.zeros([BK], dtype=tl.float32)
+        b_kb = b_k * b_beta[:, None]
+        b_g = tl.load(gam + p_tk, mask=m_tk, other=0.0)
+        # the test: largest |gam_i - gam_m(i)| in this K-block (rows past Tc give zero)
+        o_m = tl.minimum(o_f + BC // 2, Tc - 1)
+        b_span = tl.max(tl.max(tl.abs(b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
+                               axis=1), axis=0)
+        fast = b_span <= SPAN
+        # [BT] reference rows of each row's block: a for the row direction, b for the column direction
+        o_a = tl.where(fast, o_m, o_f)
+        o_b = tl.where(fast, o_m, tl.minimum(o_f + BC - 1, Tc - 1))
+        # [BT, BK] accumulators, before the factors of each row's own block
+        b_dqa = tl.zeros([BT, BK], dtype=tl.float32)
+        b_x = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dka = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_r in range(NC):
+            r0 = i_r * BC
+            m_r = ((o_t >= r0) & (o_t < r0 + BC))[:, None]                       # [BT, 1] block r
+            # row direction (rows i of block r): columns j < r0 (+ block r itself when fast), column factors
+            # exp2(gam_a - gam_j) clamped at <= 0 for the earlier columns, at <= SPAN in block r, zero after
+            ra = tl.where(fast, tl.minimum(r0 + BC // 2, Tc - 1), r0)
+            b_x0 = tl.load(gam + ra * sg + o_k, mask=m_k, other=0.0)[None, :] - b_g  # [BT, BK]
+            b_kc = tl.exp2(tl.where((o_t < r0)[:, None], tl.minimum(b_x0, 0.0), tl.minimum(b_x0, SPAN)))
+            b_kc = tl.where((o_t < r0 + tl.where(fast, BC, 0))[:, None], b_k * b_kc, 0.0)
+            # [BT, BT] @ [BT, BK] -> [BT, BK], twice; kept on the rows of block r
+            b_dqa += tl.where(m_r, tl.dot(b_p, b_kc, input_precision=PREC), 0.0)
+            b_x += tl.where(m_r, tl.dot(b_m, b_kc, input_precision=PREC), 0.0)
+            # column direction (columns j of block r): rows i >= r0 + 16 (+ block r itself when fast), row
+            # factors exp2(gam_i - gam_b) clamped at <= SPAN in block r, at <= 0 for the later rows, zero before
+            rb = tl.where(fast, tl.minimum(r0 + BC // 2, Tc - 1), tl.minimum(r0 + BC - 1, Tc - 1))
+            b_y0 = b_g - tl.load(gam + rb * sg + o_k, mask=m_k, other=0.0)[None, :]  # [BT, BK]
+            b_er = tl.exp2(tl.where((o_t >= r0 + BC)[:, None], tl.minimum(b_y0, 0.0), tl.minimum(b_y0, SPAN)))
+            b_er = tl.where((o_t >= r0 + tl.where(fast, 0, BC))[:, None], b_er, 0.0)
+            # [BT, BT]^T @ [BT, BK] -> [BT, BK], twice into one sum; kept on the columns of block r
+            b_dka += tl.where(m_r, tl.dot(b_pt, b_q * b_er, input_precision=PREC), 0.0)
+            b_dka += tl.where(m_r, tl.dot(b_mt, b_kb * b_er, input_precision=PREC), 0.0)
+        # the own-block factors exp2(gam_i - gam_a(i)) (row side) and exp2(gam_b(j) - gam_j) (column side):
+        # in [2^-SPAN, 2^SPAN] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
+        b_ea = tl.exp2(tl.minimum(b_g - tl.load(gam + o_a[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0),
+                                  SPAN))
+        b_eb = tl.exp2(tl.minimum(tl.load(gam + o_b[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) - b_g,
+                                  SPAN))
+        b_dqa *= b_ea
+        b_x *= b_ea
+        b_dka *= b_eb
+        if b_span > SPAN:
+            # exact diagonal blocks: step s pairs row t with u = the s-th row of t's block, all rows at once;
+            # (t, u) is a row-direction pair when u <= t, a column-direction pair (u, t) when u >= t
+            b_dqd = tl.zeros([BT, BK], dtype=tl.float32)
+            b_xd = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+            for s in range(BC):
+                o_u = o_f + s
+                m_u = o_u < Tc
+                # [BT, BK] rows u
+                b_ku = load_rows(k, rk, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
+                b_qu = load_rows(q, rq, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
+                b_d = b_g - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_u[:, None] & m_k[None, :],
+                                    other=0.0)
+                # [BT] P[t, u], dM[t, u] (u <= t), P[u, t], beta_u dM[u, t] (u >= t)
+                b_ptu = tl.load(dAqk + o_t * sa + o_u, mask=m_t & (o_u <= o_t), other=0.0)
+                b_mtu = tl.load(dM + o_t * sa + o_u, mask=m_t & (o_u < o_t), other=0.0)
+                b_put = tl.load(dAqk + o_u * sa + o_t, mask=m_u & (o_u >= o_t), other=0.0)
+                b_mut = tl.load(dM + o_u * sa + o_t, mask=m_u & (o_u > o_t), other=0.0)
+                b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
+                # [BT, BK] e(t, u) = exp2(gam_t - gam_u) and e(u, t), each clamped at <= 0 (<= 1 where used)
+                b_etu = tl.exp2(tl.minimum(b_d, 0.0))
+                b_eut = tl.exp2(tl.minimum(-b_d, 0.0))
+                b_dqd += b_ptu[:, None] * b_ku * b_etu
+                b_xd += b_mtu[:, None] * b_ku * b_etu
+                b_dkd += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_eut
+            b_dqa += b_dqd
+            b_x += b_xd
+            b_dka += b_dkd
+
+        b_dkai = b_beta[:, None] * b_x
+        # combine with the stage-2 terms
+        b_dqo = tl.load(dq + p_tk, mask=m_tk, other=0.0) + b_dqa
+        b_dko = tl.load(dk + p_tk, mask=m_tk, other=0.0) + b_dka + b_dkai
+        tl.store(dq + p_tk, b_dqo, mask=m_tk)
+        tl.store(dk + p_tk, b_dko, mask=m_tk)
+        b_dgam = tl.load(dgam + p_tk, mask=m_tk, other=0.0)
+        b_dgam += b_q * b_dqa + b_k * (b_dkai - b_dka)
+        # dg = reverse cumsum of dGam inside the chunk
+        b_dg = tl.cumsum(b_dgam, 0, reverse=True)
         if USE_GATE:
             if HAS_BIAS:
                 b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32) + b_bias[None, :]
             else:
-                b_bias = tl.zeros([BK], dtype=tl.float32)
-        for i_i in range(NC - 1, -1, -1):
-            r0 = i_i * BC
-            o_i = r0 + o_c
-            m_i = o_i < Tc
-            m_ik = m_i[:, None] & m_k[None, :]
-            p_ik = o_i[:, None] * sg + o_k[None, :]
-            # [BC, BK] the row block
-            b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
-            b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
-            b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
-            # [BC]
-            b_bi = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
-            # [BC, BT] rows of the block, [BT, BC] columns of the block, [BC, BC] diagonal block
-            p_r = o_i[:, None] * sa + o_t[None, :]
-            p_c = o_t[:, None] * sa + o_i[None, :]
-            p_d = o_i[:, None] * sa + o_i[None, :]
-            b_pr = tl.load(dAqk + p_r, mask=m_i[:, None], other=0.0)
-            b_mr = tl.load(dM + p_r, mask=m_i[:, None], other=0.0)
-            b_pc = tl.load(dAqk + p_c, mask=m_t[:, None], other=0.0)
-            b_mc = tl.load(dM + p_c, mask=m_t[:, None], other=0.0) * b_beta[:, None]
-            b_pd = tl.load(dAqk + p_d, mask=m_i[:, None], other=0.0)
-            b_md = tl.load(dM + p_d, mask=m_i[:, None], other=0.0)
-
-            # row direction, columns before the block: reference = first row of the block
-            b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k, other=0.0)
-            m_b = (o_t < r0)[:, None] & m_k[None, :]
-            b_kb = tl.where(m_b, b_k * tl.exp2(b_gr[None, :] - b_g), 0.0)
-            b_ei = tl.where(m_ik, tl.exp2(b_gi - b_gr[None, :]), 0.0)
-            # [BC, BT] @ [BT, BK] -> [BC, BK], twice
-            b_dqa = tl.dot(b_pr, b_kb, input_precision=PREC) * b_ei
-            b_x = tl.dot(b_mr, b_kb, input_precision=PREC) * b_ei
-            # column direction, rows after the block: reference = last valid row of the block
-            r2 = tl.minimum(r0 + BC, Tc) - 1
-            b_gr2 = tl.load(gam + r2 * sg + o_k, mask=m_k, other=0.0)
-            m_a = ((o_t > r2) & m_t)[:, None] & m_k[None, :]
-            b_ea = tl.where(m_a, tl.exp2(b_g - b_gr2[None, :]), 0.0)
-            b_ei2 = tl.where(m_ik, tl.exp2(b_gr2[None, :] - b_gi), 0.0)
-            # [BT, BC]^T @ [BT, BK] -> [BC, BK], twice
-            b_dkaq = tl.dot(tl.trans(b_pc), b_q * b_ea, input_precision=PREC) * b_ei2
-            b_dkaj = tl.dot(tl.trans(b_mc), b_k * b_ea, input_precision=PREC) * b_ei2
-            # diagonal block, exact per token pair: [BC(i), BC(j), BK], e_ij for j <= i
-            m_d = (o_c[:, None] >= o_c[None, :])[:, :, None] & m_ik[:, None, :]
-            b_e = tl.where(m_d, tl.exp2(b_gi[:, None, :] - b_gi[None, :, :]), 0.0)
-            b_dqa += tl.sum(b_pd[:, :, None] * b_ki[None, :, :] * b_e, 1)
-            b_x += tl.sum(b_md[:, :, None] * b_ki[None, :, :] * b_e, 1)
-            b_dkaq += tl.sum(b_pd[:, :, None] * b_qi[:, None, :] * b_e, 0)
-            b_dkaj += tl.sum((b_md * b_bi[:, None])[:, :, None] * b_ki[:, None, :] * b_e, 0)
-
-            b_dkai = b_bi[:, None] * b_x
-            # combine with the stage-2 terms
-            b_dqo = tl.load(dq + p_ik, mask=m_ik, other=0.0) + b_dqa
-            b_dko = tl.load(dk + p_ik, mask=m_ik, other=0.0) + b_dkaq + b_dkai + b_dkaj
-            tl.store(dq + p_ik, b_dqo, mask=m_ik)
-            tl.store(dk + p_ik, b_dko, mask=m_ik)
-            b_dgam = tl.load(dgam + p_ik, mask=m_ik, other=0.0)
-            b_dgam += b_qi * b_dqa - b_ki * b_dkaq + b_ki * (b_dkai - b_dkaj)
-            # dg = reverse cumsum of dGam inside the chunk
-            b_dg = tl.cumsum(b_dgam, 0, reverse=True) + b_carry[None, :]
-            b_carry += tl.sum(b_dgam, 0)
-            if USE_GATE:
-                b_xg = tl.load(g_raw + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_bias[None, :]
-                if USE_LOWER_BOUND:
-                    lb = tl.cast(lower_bound, tl.float32)
-                    b_ax = b_a * b_xg
-                    b_s = tl.sigmoid(b_ax)
-                    b_dax = b_dg * lb * b_s * (1.0 - b_s)
-                    b_dx = b_dax * b_a
-                    b_dalog += tl.sum(tl.where(m_ik, b_dax * b_ax, 0.0), 0)
-                else:
-                    # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
-                    b_sp = tl.maximum(b_xg, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_xg)))
-                    b_dx = -b_a * tl.sigmoid(b_xg) * b_dg
-                    b_dalog += tl.sum(tl.where(m_ik, -b_a * b_sp * b_dg, 0.0), 0)
-                b_dx = tl.where(m_ik, b_dx, 0.0)
-                b_ddt += tl.sum(b_dx, 0)
-                tl.store(dg + p_ik, b_dx.to(dg.dtype.element_ty), mask=m_ik)
+                b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+            if USE_LOWER_BOUND:
+                lb = tl.cast(lower_bound, tl.float32)
+                b_ax = b_a * b_xg
+                b_s = tl.sigmoid(b_ax)
+                b_dax = b_dg * lb * b_s * (1.0 - b_s)
+                b_dx = b_dax * b_a
+                b_dalog += tl.sum(tl.where(m_tk, b_dax * b_ax, 0.0), 0)
             else:
-                tl.store(dg + p_ik, b_dg.to(dg.dtype.element_ty), mask=m_ik)
-            # dbeta_i += <k_i, X_i>, placed at the block's rows of the chunk vector
-            b_dbi = tl.sum(b_ki * b_x, 1)
-            b_db += tl.sum(tl.where(o_t[:, None] == o_i[None, :], b_dbi[None, :], 0.0), 1)
-        if USE_GATE:
+                # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
+                b_sp = tl.maximum(b_xg, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_xg)))
+                b_dx = -b_a * tl.sigmoid(b_xg) * b_dg
+                b_dalog += tl.sum(tl.where(m_tk, -b_a * b_sp * b_dg, 0.0), 0)
+            b_dx = tl.where(m_tk, b_dx, 0.0)
+            tl.store(dg + p_tk, b_dx.to(dg.dtype.element_ty), mask=m_tk)
             if HAS_BIAS:
-                tl.store(ddt_bias_p + (i_t * HV + i_hv) * K + o_k, b_ddt, mask=m_k)
+                tl.store(ddt_bias_p + (i_t * HV + i_hv) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
+        else:
+            tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+        # dbeta_i += <k_i, X_i>
+        b_db += tl.sum(b_k * b_x, 1)
 
     # [BT]
     b_db += tl.load(dbeta_p + o_t * HV, mask=m_t, other=0.0)
