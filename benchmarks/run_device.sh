@@ -7,7 +7,9 @@
 # Each step has its own time limit and writes its log under $OUT (default ./out); at the end everything is
 # packed into $OUT/results.tgz as well, because the device tool brings back at most 8 files. Set
 # KDA_OPS_AUTOTUNE=0 in the environment for first-config runs. Budget for every step: ~15 min (FLA autotunes
-# for minutes on first use in fwd / fwdbwd; MQAR trains for ~3-4 min).
+# for minutes on first use in fwd / fwdbwd; MQAR trains for ~3-4 min). Narrower runs: TESTS (pytest paths/args of
+# the tests step, default every gpu test), CONFIGS (kernel names for -k of the configs step), BENCH (extra
+# bench_kda.py arguments, e.g. "--providers kda_ops --shapes 1,8192,32,128").
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${*:-tests configs fwd fwdbwd mqar export aoti}
@@ -26,22 +28,22 @@ step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 if has tests; then
   step tests
   KDA_OPS_AUTOTUNE=${KDA_OPS_AUTOTUNE:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider \
-    -m gpu tests --ignore tests/test_gpu_configs.py > "$OUT/gpu_tests.log" 2>&1
+    -m gpu ${TESTS:-tests --ignore tests/test_gpu_configs.py} > "$OUT/gpu_tests.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -20
 fi
 if has configs; then
   step configs
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_configs.py > "$OUT/configs.log" 2>&1
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_configs.py ${CONFIGS:+-k "$CONFIGS"} > "$OUT/configs.log" 2>&1
   grep -E "FAIL|passed|failed" "$OUT/configs.log" | tail -20
 fi
 if has fwd; then
   step fwd
-  timeout 400 python3 benchmarks/bench_kda.py --mode fwd --stages --out "$OUT" > "$OUT/bench_fwd.log" 2>&1
+  timeout 400 python3 benchmarks/bench_kda.py --mode fwd --stages --out "$OUT" $BENCH > "$OUT/bench_fwd.log" 2>&1
   grep -v "^\s*File\|^\s*\^" "$OUT/bench_fwd.log" | tail -25
 fi
 if has fwdbwd; then
   step fwdbwd
-  timeout 500 python3 benchmarks/bench_kda.py --mode fwdbwd --stages --out "$OUT" > "$OUT/bench_fwdbwd.log" 2>&1
+  timeout 500 python3 benchmarks/bench_kda.py --mode fwdbwd --stages --out "$OUT" $BENCH > "$OUT/bench_fwdbwd.log" 2>&1
   grep -v "^\s*File\|^\s*\^" "$OUT/bench_fwdbwd.log" | tail -25
 fi
 if has mqar; then
