@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: carried wheels, GPU tests, benchmarks, MQAR, export, AOTI probe.
 #
 #   bash benchmarks/run_device.sh [step ...]     (repo root; carry .wheels; default: every step)
-#   steps: tests configs fwd fwdbwd mqar export aoti
+#   steps: tests configs fwd fwdbwd mqar export aoti profile (profile: Nsight Compute, not in the default)
 #
 # Each step has its own time limit and writes its log under $OUT (default ./out); at the end everything is
 # packed into $OUT/results.tgz as well, because the device tool brings back at most 8 files. Set
@@ -48,8 +48,20 @@ if has fwdbwd; then
 fi
 if has mqar; then
   step mqar
-  timeout 420 python3 examples/train_compiled.py --out "$OUT/mqar" > "$OUT/mqar.log" 2>&1
-  tail -5 "$OUT/mqar.log"
+  # MQAR2: extra arguments of a second run, alongside (small kernels: the GPU has room for both)
+  if [ -n "$MQAR2" ]; then
+    timeout ${MQAR_TIMEOUT:-420} python3 examples/train_compiled.py --out "$OUT/mqar2" $MQAR2 > "$OUT/mqar2.log" 2>&1 &
+  fi
+  timeout ${MQAR_TIMEOUT:-420} python3 examples/train_compiled.py --out "$OUT/mqar" > "$OUT/mqar.log" 2>&1
+  wait
+  tail -3 "$OUT/mqar.log"; [ -n "$MQAR2" ] && tail -3 "$OUT/mqar2.log"
+fi
+if has profile; then
+  step profile
+  # one fwd + bwd, first configs (autotune would multiply the launches); the second iteration's kernels
+  KDA_OPS_AUTOTUNE=0 timeout 300 ncu --clock-control none --set full --import-source yes -k regex:chunk_kda \
+    --launch-skip ${NCU_SKIP:-9} --launch-count ${NCU_COUNT:-9} python3 benchmarks/profile_kda.py > "$OUT/ncu.txt" 2>&1
+  grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput" "$OUT/ncu.txt" | head -60
 fi
 if has export; then
   step export
@@ -62,4 +74,5 @@ if has aoti; then
   tail -c 3000 "$OUT/aoti_probe.log"
 fi
 step done
-tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/results.tgz" && ls -la "$OUT"
+# the tool brings back at most 8 files: keep the archive and the small top-level logs
+tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "$OUT"/*/ && mv /tmp/results.tgz "$OUT/results.tgz" && ls -la "$OUT"

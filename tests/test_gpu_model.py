@@ -1,0 +1,54 @@
+"""The tiny KDA language model on the GPU (our Triton kernels inside it) against the same model in fp64 on CPU.
+
+The op-level GPU tests feed the kernels synthetic inputs; this one feeds them what a training step does: q, k, v,
+the raw gate and the beta logits out of the model's projections and short convolution, the gate activation,
+l2norm and beta sigmoid inside the op, the MQAR-like shape of examples/train_compiled.py (T = 64 and a longer
+T = 300), compiled with fullgraph. Loss and every parameter gradient are compared by relative RMS.
+
+    python -m pytest -q -m gpu tests/test_gpu_model.py
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_case import rel_rms
+from kda_ops.layers import KDAConfig, KDALanguageModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def loss_and_grads(model, ids, autocast):
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        logits = model(ids)
+    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach() for n, p in model.named_parameters()}
+
+
+# fp32: every gradient within 2e-3 of fp64; bf16 autocast (what training runs): the whole model rounds to bf16,
+# so the bound is looser, but a wrong kernel gradient gives O(1) errors.
+@pytest.mark.parametrize("T", [64, 300])
+@pytest.mark.parametrize("autocast,tol", [(False, 2e-3), (True, 5e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_lm_gradients_match_fp64(T, autocast, tol, lower_bound):
+    torch.manual_seed(0)
+    cfg = KDAConfig(vocab_size=128, hidden_size=128, num_layers=2, num_heads=2, head_dim=64, lower_bound=lower_bound)
+    model = KDALanguageModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (4, T), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref = loss_and_grads(copy.deepcopy(model).double(), ids, False)
+    gpu = torch.compile(copy.deepcopy(model).cuda(), fullgraph=True)
+    loss, got = loss_and_grads(gpu, ids.cuda(), autocast)
+    errs = {n.replace("_orig_mod.", ""): rel_rms(g.double().cpu(), ref[n.replace("_orig_mod.", "")]) for n, g in got.items()}
+    worst = sorted(errs.items(), key=lambda x: -x[1])[:5]
+    print(f"T={T} autocast={autocast} lb={lower_bound}: loss {loss.item():.6f} vs {ref_loss.item():.6f}; worst {worst}")
+    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, bad
