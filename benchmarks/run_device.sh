@@ -27,7 +27,7 @@ step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 
 if has tests; then
   step tests
-  KDA_OPS_AUTOTUNE=${KDA_OPS_AUTOTUNE:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider \
+  KDA_OPS_AUTOTUNE=${KDA_OPS_AUTOTUNE:-0} timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider \
     -m gpu ${TESTS:-tests --ignore tests/test_gpu_configs.py} > "$OUT/gpu_tests.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -20
 fi

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
+from .common import BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
 
 
 @triton.jit
@@ -223,8 +223,7 @@ def chunk_kda_bwd_inter(
     dAqk = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     dM = torch.zeros(B, T, HV, BT, dtype=f32, device=dev)
     dbeta = torch.zeros(B, T, HV, dtype=f32, device=dev)
-    dummy = gam
-    pick = lambda x: dummy if x is None else x  # noqa: E731
+    pick = lambda x: absent(x, gam)  # noqa: E731
     BK = min(64, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(K, BK) + 1, layout.NT_total, HV)
     torch.library.wrap_triton(chunk_kda_bwd_kernel_inter)[grid](

@@ -21,6 +21,16 @@ BT = 64   # chunk size (tokens)
 BC = 16   # sub-chunk size: the blocks of the intra-chunk matrices and of the blockwise inverse
 
 
+def absent(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """x, or for an absent optional tensor a fresh 1-element placeholder on like's device (never read).
+
+    Each absent pointer gets its own tensor: under torch.compile, wrap_triton's functionalization replaces a
+    tensor passed as a kernel argument by that argument's output copy, so one placeholder passed for several
+    arguments (or a real output reused as a placeholder) would alias them and corrupt the real output.
+    """
+    return like.new_empty(1, dtype=torch.float32) if x is None else x
+
+
 def autotune_configs(configs: list) -> list:
     """All configs on a GPU, the first one alone under the interpreter (or with KDA_OPS_AUTOTUNE=0)."""
     return configs if AUTOTUNE else configs[:1]

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BC, BT, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
+from .common import BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
 from .prepare import load_beta, load_gam_block
 
 L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EPS (kernels do not import the reference)
@@ -318,13 +318,11 @@ def chunk_kda_fwd_intra(
         kd=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         qg=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
     )
-    dummy = out.gam
     grid = (layout.NT_total, HV)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
-        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        q, k, v, g, beta, absent(A_log, q), absent(dt_bias, q),
         out.gam, out.beta, out.Aqk, out.Tm, out.W, out.U, out.kd, out.qg,
-        dummy if cu_seqlens is None else cu_seqlens,
-        dummy if layout.chunk_indices is None else layout.chunk_indices,
+        absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
         H, HV, K=K, V=V, BT=BT, BC=BC, BV=min(64, triton.next_power_of_2(V)),
         USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .chunk_bwd import load_rows
-from .common import BC, BT, autotune_configs, chunk_bounds, chunk_layout, dot_precision
+from .common import BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision
 from .intra import SPAN
 
 
@@ -267,8 +267,7 @@ def chunk_kda_bwd_intra(
     # per-program partial sums (zero for programs past the real work), reduced below: no atomics, no sync
     dA_log_p = torch.zeros(layout.NT_total, HV, dtype=torch.float32, device=q.device) if has_alog else None
     ddt_bias_p = torch.zeros(layout.NT_total, HV, K, dtype=torch.float32, device=q.device) if has_bias else None
-    dummy = gam
-    pick = lambda x: dummy if x is None else x  # noqa: E731
+    pick = lambda x: absent(x, gam)  # noqa: E731
     torch.library.wrap_triton(chunk_kda_bwd_kernel_intra)[(layout.NT_total, HV)](
         q, k, pick(rq), pick(rk), gam, beta, dAqk, dM, g, beta_raw, pick(A_log if has_alog else None),
         pick(dt_bias if has_bias else None),

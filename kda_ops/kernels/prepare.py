@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, chunk_bounds, chunk_layout
+from .common import BT, absent, chunk_bounds, chunk_layout
 
 RCP_LN2 = 1.4426950408889634   # 1 / ln(2)
 
@@ -115,13 +115,11 @@ def chunk_kda_fwd_prepare(
     gam = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     beta_act = torch.empty(B, T, HV, dtype=torch.float32, device=g.device)
     BK = min(64, triton.next_power_of_2(K))
-    dummy = gam
     grid = (layout.NT_total, HV, triton.cdiv(K, BK))
     torch.library.wrap_triton(chunk_kda_fwd_kernel_prepare)[grid](
-        g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        g, beta, absent(A_log, g), absent(dt_bias, g),
         gam, beta_act,
-        dummy if cu_seqlens is None else cu_seqlens,
-        dummy if layout.chunk_indices is None else layout.chunk_indices,
+        absent(cu_seqlens, g), absent(layout.chunk_indices, g),
         0.0 if lower_bound is None else float(lower_bound), T, layout.N, HV,
         K=K, BT=BT, BK=BK,
         USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import autotune_configs
+from .common import absent, autotune_configs
 from .prepare import softplus
 
 L2NORM_EPS = tl.constexpr(1e-6)   # as kda_ops.reference.L2NORM_EPS
@@ -145,13 +145,12 @@ def recurrent_kda_triton(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
-    dummy = ht
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * HV)
     torch.library.wrap_triton(recurrent_kda_fwd_kernel)[grid](
-        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
-        initial_state, o, ht, dummy if cu_seqlens is None else cu_seqlens,
+        q, k, v, g, beta, absent(A_log, q), absent(dt_bias, q),
+        initial_state, o, ht, absent(cu_seqlens, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T,
         H=H, HV=HV, K=K, V=V,
         USE_L2NORM=use_qk_l2norm, USE_GATE=use_gate, HAS_A_LOG=A_log is not None,

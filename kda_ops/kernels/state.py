@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, INTERPRET, autotune_configs, chunk_layout, dot_precision
+from .common import BT, INTERPRET, absent, autotune_configs, chunk_layout, dot_precision
 from .intra import IntraOut
 
 
@@ -156,8 +156,7 @@ def chunk_kda_fwd_state(
     h = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=dev) if store_h else None
     vn = torch.empty(B, T, HV, V, dtype=dt, device=dev) if store_vn else None
     ht = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    dummy = intra.gam
-    pick = lambda x: dummy if x is None else x  # noqa: E731
+    pick = lambda x: absent(x, intra.gam)  # noqa: E731
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), layout.N * HV)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, autotune_configs, chunk_layout, dot_precision, lowp_dot
+from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, lowp_dot
 
 
 @triton.autotune(
@@ -134,8 +134,7 @@ def chunk_kda_bwd_state(
     dh = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=do.device)
     dvn = torch.empty(B, T, HV, V, dtype=dt, device=do.device)
     dh0 = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=do.device) if need_dh0 else None
-    dummy = gam
-    pick = lambda x: dummy if x is None else x  # noqa: E731
+    pick = lambda x: absent(x, gam)  # noqa: E731
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), layout.N * HV)
