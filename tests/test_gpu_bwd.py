@@ -105,16 +105,24 @@ def test_bwd_public_op_compiled(c, with_dht):
     inputs, kw, do, dht = make(c, seed=7)
     kw = dict(kw, output_final_state=with_dht)
 
-    @torch.compile(fullgraph=True)
-    def fn(q, k, v, g, beta, **kw):
+    def fn_eager(q, k, v, g, beta, **kw):
         o, ht = kda_ops.chunk_kda(q, k, v, g, beta, **kw)
         return o, (ht if ht is not None else o.new_zeros(()))
+    fn = torch.compile(fn_eager, fullgraph=True)
 
     ref = reference_grads(inputs, dict(kw, output_final_state=True), do, dht if with_dht else torch.zeros_like(dht))
-    got = op_grads(fn, inputs, kw, do, dht if with_dht else torch.zeros((), device="cuda"))
-    errs = {n: rel_rms(x, ref[n]) for n, x in got.items() if n != "ht" and n in ref}
-    if with_dht:
-        errs["ht"] = rel_rms(got["ht"], ref["ht"])
+    dht_op = dht if with_dht else torch.zeros((), device="cuda")
+    got = op_grads(fn, inputs, kw, do, dht_op)
+    eager = op_grads(fn_eager, inputs, kw, do, dht_op)
+    # the same kernels with the same configs: compiled == eager up to summation order (atomics, torch-side sums)
+    # and the bf16 roundings that order flips
+    diff = {n: rel_rms(x, eager[n]) for n, x in got.items()}
+    assert all(e <= 1e-3 for e in diff.values()), f"compiled vs eager: {diff}"
+    # and against fp64 (dA_log / ddt_bias are reductions over every token: their bf16 error depends on how much
+    # the sum cancels, so they are held to the fp64 bound in the launcher tests above, on the matrix)
+    errs = {n: rel_rms(x, ref[n]) for n, x in got.items() if n in ref and n not in ("dA_log", "ddt_bias")}
+    if not with_dht:
+        errs.pop("ht", None)
     tol = dict(TOL, o=5e-3, ht=5e-3)
     bad = {n: e for n, e in errs.items() if not e <= tol[n]}
     assert not bad, f"relative RMS over tolerance: {bad} (all: {errs})"

@@ -145,3 +145,13 @@ def test_public_chunk_kda(c: Case):
     ro, rht = reference(c, x)
     assert rel_rms(o, ro) <= TOL[c.dtype]
     assert rel_rms(ht, rht) <= TOL[c.dtype]
+
+
+def test_varlen_layout_compiled():
+    """The varlen chunk index built by torch ops, compiled by Inductor == eager (torch 2.11's Inductor dropped
+    the storage offset of a sliced searchsorted boundary tensor: the layout now searches a fresh tensor)."""
+    from kda_ops.kernels.common import chunk_layout
+    cu = torch.tensor([0, 100, 137, 138, 331, 331, 1000], dtype=torch.int32, device="cuda")
+    eager = chunk_layout(1, 1000, cu)
+    got = torch.compile(lambda c: chunk_layout(1, 1000, c)[2:], fullgraph=True)(cu)
+    assert torch.equal(got[0], eager.chunk_indices) and torch.equal(got[1], eager.chunk_offsets)

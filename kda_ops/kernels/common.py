@@ -41,7 +41,7 @@ class ChunkLayout(NamedTuple):
 
     N: number of sequences. NT_total: programs on the chunk axis (exact for fixed length, a static upper
     bound ``cdiv(T, BT) + N - 1`` for varlen). chunk_indices [NT_total, 2] int32 (sequence, chunk in the
-    sequence; sequence == N marks a program past the real work) and chunk_offsets [N + 1] int32 (index of
+    sequence; sequence == N marks a program past the real work) and chunk_offsets [N] int32 (index of
     each sequence's first chunk in the per-chunk state tensor) exist only for varlen.
     """
     N: int
@@ -57,12 +57,15 @@ def chunk_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkLay
     NT_total = triton.cdiv(T, BT) + N - 1
     cu = cu_seqlens.to(torch.int64)
     n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT                        # [N]
-    chunk_offsets = torch.cat([cu.new_zeros(1), n_chunks.cumsum(0)])    # [N + 1]
+    ends = n_chunks.cumsum(0)                                           # [N] one past each sequence's last chunk
+    starts = ends - n_chunks                                            # [N]
+    # searchsorted over a fresh tensor, never a slice: Inductor (torch 2.11) dropped the storage offset of a
+    # sliced boundaries tensor (chunk_offsets[1:]) and searched the unsliced one (seen on the H200)
     ids = torch.arange(NT_total, device=cu.device)
-    seq = torch.searchsorted(chunk_offsets[1:].contiguous(), ids, right=True)   # [NT_total] in [0, N]
-    local = ids - chunk_offsets[seq.clamp(max=N - 1)]
+    seq = torch.searchsorted(ends, ids, right=True)                     # [NT_total] in [0, N]
+    local = ids - starts[seq.clamp(max=N - 1)]
     chunk_indices = torch.stack([seq, local], 1).to(torch.int32).contiguous()
-    return ChunkLayout(N, NT_total, chunk_indices, chunk_offsets.to(torch.int32).contiguous())
+    return ChunkLayout(N, NT_total, chunk_indices, starts.to(torch.int32).contiguous())
 
 
 def dot_precision(dtype: torch.dtype) -> str:
