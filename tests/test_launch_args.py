@@ -1,0 +1,74 @@
+"""Every Triton launch gets pairwise distinct tensors (no two pointer arguments share memory).
+
+Under torch.compile, wrap_triton's functional form replaces each argument a kernel may write by that
+argument's output copy; an absent optional argument that reused another tensor as its placeholder was thereby
+aliased into a real output (the gate cumsum) and compiled training computed garbage while eager was right.
+This test records the launches of every launcher (interpreter, tiny shapes, with and without each optional
+tensor) and checks that no two tensor arguments of one launch overlap in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def record_launches():
+    """In the child (TRITON_INTERPRET=1): run the launchers, return [(kernel, [overlapping argument pairs])]."""
+    import torch
+
+    from kda_case import Case
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                fn = self.kernel.fn if hasattr(self.kernel, "configs") else self.kernel
+                named = dict(zip(fn.arg_names, args), **kwargs)
+                tensors = [(n, t) for n, t in named.items() if isinstance(t, torch.Tensor)]
+                spans = [(n, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for n, t in tensors]
+                overlaps = [(a, b) for i, (a, pa, na) in enumerate(spans) for (b, pb, nb) in spans[i + 1:]
+                            if pa < pb + max(nb, 1) and pb < pa + max(na, 1)]
+                launches.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, overlaps))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    torch.library.wrap_triton = Recorder
+    from kda_ops.kernels import chunk_kda_bwd_triton, chunk_kda_fwd_triton
+    from kda_ops.kernels.recurrent import recurrent_kda_triton
+
+    for full in (False, True):
+        c = Case(B=1 if full else 2, T=70, H=2, HV=2, K=16, V=16, dtype=torch.float32, in_op=full,
+                 initial_state=full, seqlens=[30, 40] if full else None)
+        (q, k, v, g, beta), kw = c.make()
+        args = (q, k, v, g.float(), beta.float(), kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"),
+                kw.get("cu_seqlens"), 16 ** -0.5, kw.get("lower_bound"), full, full, full, False)
+        chunk_kda_fwd_triton(*args, full)
+        dht = torch.randn(2, 2, 16, 16) if full else None
+        chunk_kda_bwd_triton(torch.randn_like(v), dht, *args)
+        h0 = kw.get("initial_state")
+        recurrent_kda_triton(*args[:7], h0 if h0 is not None else torch.zeros(2, 2, 16, 16), *args[8:])
+    return launches
+
+
+def test_launch_arguments_do_not_alias():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    launches = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(launches) >= 2 * (2 + 6 + 1), launches          # fwd: intra + state; bwd: 6 stages; decode
+    bad = [(name, pairs) for name, pairs in launches if pairs]
+    assert not bad, f"launches with overlapping tensor arguments: {bad}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    print(json.dumps(record_launches()))
