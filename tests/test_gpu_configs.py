@@ -4,7 +4,7 @@ The other GPU tests run with whatever config the autotuner picks (or the first o
 KDA_OPS_AUTOTUNE=0), so a config that is never picked there is never checked; a benchmark run that picks it
 would be the first to find out. Here each kernel runs in its own process (a faulting config kills the CUDA
 context), which pins the kernel to one config after another and checks forward + backward of the public op
-on a varlen case with GVA, in-op pre-processing and an initial state.
+on a varlen case with GVA, in-op pre-processing and an initial state (K = 128), and on K = 256.
 
     python -m pytest -q -m gpu tests/test_gpu_configs.py
 """
@@ -48,23 +48,28 @@ def run_all_configs(name: str) -> int:
             find(other).configs = find(other).configs[:1]
     kernel = find(name)
     configs = list(kernel.configs)
-    c = Case(B=1, T=331, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, in_op=True, seqlens=[100, 37, 1, 193])
-    inputs, kw = c.make("cuda", seed=3)
-    inputs = [inputs[0], inputs[1], inputs[2], inputs[3].float(), inputs[4].float()]
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    do = torch.randn(inputs[2].shape, generator=gen, device="cuda").to(torch.bfloat16)
-    dht = torch.randn(4, 4, 128, 128, generator=gen, device="cuda")
-    ref = reference_grads(inputs, kw, do, dht)
     failed = 0
-    for i, cfg in enumerate(configs):
-        print(f"config {i}: {cfg}", flush=True)
-        kernel.configs = [cfg]
-        kernel.cache.clear()
-        got = op_grads(kda_ops.chunk_kda, inputs, kw, do, dht)
-        errs = {n: rel_rms(x, ref[n]) for n, x in got.items()}
-        bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
-        print(f"config {i}: {'FAIL ' + str(bad) if bad else 'ok'} (max {max(errs.values()):.2e})", flush=True)
-        failed += bool(bad)
+    # K = 128 (the benchmark's size) varlen with GVA; K = 256 fixed length (configs that fit only there, or
+    # spill there, have faulted before at sizes the first case does not reach)
+    for c in (Case(B=1, T=331, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, in_op=True, seqlens=[100, 37, 1, 193]),
+              Case(B=2, T=200, H=2, HV=2, K=256, V=256, dtype=torch.bfloat16, in_op=True)):
+        inputs, kw = c.make("cuda", seed=3)
+        inputs = [inputs[0], inputs[1], inputs[2], inputs[3].float(), inputs[4].float()]
+        gen = torch.Generator(device="cuda").manual_seed(4)
+        do = torch.randn(inputs[2].shape, generator=gen, device="cuda").to(torch.bfloat16)
+        N = len(c.seqlens) if c.seqlens else c.B
+        dht = torch.randn(N, c.HV, c.K, c.V, generator=gen, device="cuda")
+        ref = reference_grads(inputs, kw, do, dht)
+        for i, cfg in enumerate(configs):
+            print(f"{c.id} config {i}: {cfg}", flush=True)
+            kernel.configs = [cfg]
+            kernel.cache.clear()
+            got = op_grads(kda_ops.chunk_kda, inputs, kw, do, dht)
+            errs = {n: rel_rms(x, ref[n]) for n, x in got.items()}
+            bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
+            print(f"{c.id} config {i}: {'FAIL ' + str(bad) if bad else 'ok'} (max {max(errs.values()):.2e})",
+                  flush=True)
+            failed += bool(bad)
     return failed
 
 
