@@ -20,6 +20,11 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+# Autotune results persist across calls: the archive autotune_cache.tgz (the *.autotune.json files only, a few
+# KB) comes back in $OUT; unpack it into .triton_cache (git-ignored) here and carry .triton_cache next call, so
+# FLA's first-use autotune (minutes) and ours are skipped when the kernels and configs are unchanged.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv | tee "$OUT/gpu.txt"
 git log -1 --format='%H %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -74,5 +79,6 @@ if has aoti; then
   tail -c 3000 "$OUT/aoti_probe.log"
 fi
 step done
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_cache.tgz" -T -)
 # the tool brings back at most 8 files: keep the archive and the small top-level logs
-tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "$OUT"/*/ && mv /tmp/results.tgz "$OUT/results.tgz" && ls -la "$OUT"
+tar czf /tmp/results.tgz -C "$OUT" --exclude autotune_cache.tgz . && rm -rf "$OUT"/*/ && mv /tmp/results.tgz "$OUT/results.tgz" && ls -la "$OUT"
