@@ -11,9 +11,10 @@ Operands. In the forward (intra built with lowp, bf16 inputs) W and qg arrive in
 take S rounded to that dtype (W, qg and S together: ~3e-4 of relative error on the output); U, Aqk and kd
 stay fp32 (rounding U or Aqk costs ~1.6e-3 each since U - W S cancels, kd ~1.7e-3 on the state; numbers
 from benchmarks/precision_bf16.py), so Aqk Vn and kd^T Vn run in tf32. (A bf16 kd^T operand, loaded
-transposed, faulted in shared memory at K = 100 and 128 with triton 3.6 on the H200.) The backward's recompute passes fp32 W, qg too and every dot runs in tf32 (IEEE
-fp32 for fp32 inputs). The smaller W and qg let two pipeline stages fit in shared memory at K = 128: the
-loads of chunk c + 1 overlap the dots of chunk c.
+transposed, faulted in shared memory at K = 100 and 128 with triton 3.6 on the H200.) The backward's
+recompute passes fp32 W, qg too and every dot runs in tf32 (IEEE fp32 for fp32 inputs). The smaller W and
+qg let two pipeline stages fit in shared memory at K = 128: the loads of chunk c + 1 overlap the dots of
+chunk c.
 Fusing the output here means the per-chunk states never go through device memory in the plain
 forward; a backward that needs them asks for them (STORE_H) together with Vn (STORE_VN).
 """
