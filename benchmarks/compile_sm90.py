@@ -45,34 +45,43 @@ def comp(jf, sig, consts, num_warps, num_stages, tag):
     print(f"  {tag}: shared {k.metadata.shared} {res} ({time.time()-t:.1f}s)", flush=True)
 
 def intra(dt='bf16', K=128, V=128, w=8, BK=32, wdt=None, **flags):
+    """wdt: storage dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk; fp32: the recompute)."""
     wdt = wdt or dt
     names = ['q','k','v','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV']
-    types = [f'*{dt}']*5 + ['*fp32']*2 + ['*fp32']*4 + [f'*{wdt}', '*fp32', '*fp32', f'*{wdt}', '*i32','*i32','fp32','fp32','i32','i32','i32','i32']
+    types = [f'*{dt}']*5 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + [f'*{wdt}']*4 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BC=16, BK=BK, BV=min(64, triton.next_power_of_2(V)),
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
-             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32')
+             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
+             KD_T=wdt == 'bf16')
     c.update(flags)
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_intra, sig, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
 
 def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
+    """wdt: dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk (KD_T); fp32: the recompute)."""
     names = ['W','U','kd','qg','Aqk','gam','h0','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV']
-    types = [f'*{wdt}','*fp32','*fp32',f'*{wdt}','*fp32','*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32']
+    types = [f'*{wdt}']*5 + ['*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_H0=True, STORE_O=True, STORE_H=False,
-             STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32')
+             STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32',
+             KD_T=wdt == 'bf16')
     c.update(flags)
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_state, sig, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
 
+
+def configs(kernel):
+    """(BV, num_warps, num_stages) of every autotune config of the state kernel (KDA_OPS_AUTOTUNE must not be 0)."""
+    return [(cf.kwargs['BV'], cf.num_warps, cf.num_stages) for cf in kernel.configs]
+
 if __name__ == '__main__':
     what = sys.argv[1:] or ['intra', 'state']
     if 'intra' in what:
-        intra(); intra(BK=64); intra(w=4); intra(wdt='fp32'); intra(K=256, V=256); intra('fp32', K=100, V=100)
+        intra(); intra(BK=64); intra(w=4); intra(wdt='fp32'); intra(K=256, V=256); intra(K=100, V=100); intra('fp32', K=100, V=100)
     if 'state' in what:
-        for K in (128, 256, 64):
-            for (BV, w, s) in [(32, 8, 1), (32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 2)]:
+        for K in (128, 256, 64, 100):
+            for (BV, w, s) in configs(chunk_kda_fwd_kernel_state):
                 state(K=K, V=K, BV=BV, w=w, s=s)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)

@@ -8,7 +8,8 @@ One program per (chunk, value head) computes, with prepare.py's helpers fused in
     Tm       [BT, BT]  (I + L)^-1, unit lower triangular
     W        [BT, K]   Tm diag(beta) (k * exp2(gam))
     U        [BT, V]   Tm diag(beta) v
-    kd       [BT, K]   k * exp2(gam_last - gam)          (the state update's key, read by state.py)
+    kd       [BT, K]   k * exp2(gam_last - gam)          (the state update's key, read by state.py;
+                                                          stored as kd^T [K, BT] per chunk in the forward)
     qg       [BT, K]   scale * q * exp2(gam)             (the output's query, read by state.py)
 
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
@@ -24,11 +25,15 @@ The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at on
 fp32 on a [4, 16, 16] tile), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked in the Tm output before Tm overwrites
 them. All of this is fp32 (the inverse merges and the W, U dots in tf32).
-U, Aqk and kd are stored in fp32: rounding U or Aqk to bf16 alone costs ~1.6e-3 relative error in the
-output (U - W S cancels), kd ~1.7e-3 in the final state (benchmarks/precision_bf16.py). W and qg are stored
-in bf16 when ``lowp`` and the inputs are bf16 (the forward: they feed bf16 dots in the state pass; W, qg
-and the state rounded together cost ~3e-4) and in fp32 otherwise (the backward's recompute; fp16 inputs,
-whose range is too small for the state as a dot operand).
+Storage, two modes (``lowp``, see IntraOut):
+* forward (``lowp`` and bf16 inputs): W, qg, U, Aqk and kd in bf16, so that every dot of the state pass is a
+  bf16 dot; kd goes out transposed, one [K, BT] block per (chunk, value head) (``kdt``), so the state pass
+  loads kd^T as a plain row-major tile. Rounding U, Aqk, kd, W, qg and the dot operands S and Vn to bf16
+  together costs ~2.4e-3 relative RMS on the output and on the final state vs fp64 (U, Aqk or Vn alone
+  ~1.6e-3, since U - W S cancels; kd alone ~1.7e-3 on the state; W, qg and S together ~3e-4:
+  benchmarks/precision_bf16.py).
+* otherwise (the backward's recompute, fp16 and fp32 inputs): everything fp32 and token-major, kd as
+  [B, T, HV, K] (fp16's range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
 reach 2^SPAN, past fp16's range).
 """
@@ -78,16 +83,20 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
 @triton.jit
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias,        # [B,T,H,K] x2, [B,T,HV,V], [B,T,HV,K], [B,T,HV], [HV], [HV*K]
-    gam, beta_act, Aqk, Tm,                  # out fp32: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2
-    W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V] fp32, [B,T,HV,K] fp32, [B,T,HV,K]
+    gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32 but Aqk)
+    W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
+                                             #   [NT_total,HV,K,BT], [B,T,HV,K]
+                                             #   (Aqk, W, U, kd, qg: bf16 in a bf16 forward, else fp32)
     cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+    KD_T: tl.constexpr,
 ):
-    """One program per (chunk, value head): grid (NT_total, HV)."""
+    """One program per (chunk, value head): grid (NT_total, HV). KD_T: kd is stored transposed, block i_t of
+    [NT_total, HV, K, BT] (all BT columns written: columns past the chunk's end are zeros)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -115,7 +124,10 @@ def chunk_kda_fwd_kernel_intra(
     v += t0 * sv + i_hv * V
     gam += t0 * sg + i_hv * K
     W += t0 * sg + i_hv * K
-    kd += t0 * sg + i_hv * K
+    if KD_T:
+        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
+    else:
+        kd += t0 * sg + i_hv * K
     qg += t0 * sg + i_hv * K
     U += t0 * sv + i_hv * V
     Aqk += t0 * sa + i_hv * BT
@@ -206,7 +218,7 @@ def chunk_kda_fwd_kernel_intra(
     b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
     b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
     p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
-    tl.store(Aqk + p_a, b_aqk, mask=m_t[:, None])
+    tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
     tl.store(Tm + p_a, b_akk, mask=m_t[:, None])
     tl.debug_barrier()
 
@@ -257,8 +269,13 @@ def chunk_kda_fwd_kernel_intra(
         b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None], input_precision=PREC)
         o_tk = o_t[:, None] * sg + o_k[None, :]
         tl.store(W + o_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
-        tl.store(kd + o_tk, (b_k * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty),
-                 mask=m_tk)
+        b_kd = (b_k * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)  # [BT, BK]
+        if KD_T:
+            # into the [BK, BT] block of kd^T; rows past Tc are zeros (k loaded as 0 there) and stored too:
+            # the state pass reads the block without a token mask
+            tl.store(kd + o_t[:, None] + o_k[None, :] * BT, b_kd, mask=m_k[None, :])
+        else:
+            tl.store(kd + o_tk, b_kd, mask=m_tk)
         tl.store(qg + o_tk, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -271,13 +288,17 @@ def chunk_kda_fwd_kernel_intra(
 
 
 class IntraOut(NamedTuple):
-    """What :func:`chunk_kda_fwd_intra` stores (token-major, like the inputs; BT = 64).
+    """What :func:`chunk_kda_fwd_intra` stores (token-major like the inputs unless said; BT = 64).
 
-    gam [B,T,HV,K] fp32 log2 units; beta [B,T,HV] fp32 activated; Aqk [B,T,HV,BT] fp32 (row i of a chunk at
-    its token, column j = position in the chunk, scale included, zero for j > i); Tm [B,T,HV,BT] fp32
-    (I + L)^-1; U [B,T,HV,V] and kd [B,T,HV,K] = k exp2(gam_last - gam) fp32; W [B,T,HV,K] and
-    qg [B,T,HV,K] = scale q exp2(gam) fp32, or bf16 when built with lowp from bf16 inputs (q, k
-    l2-normalised when use_qk_l2norm).
+    Always fp32: gam [B,T,HV,K] log2 units; beta [B,T,HV] activated; Tm [B,T,HV,BT] (I + L)^-1.
+    Aqk [B,T,HV,BT] (row i of a chunk at its token, column j = position in the chunk, scale included, zero
+    for j > i); W [B,T,HV,K]; U [B,T,HV,V]; qg [B,T,HV,K] = scale q exp2(gam): fp32, or bf16 when built with
+    lowp from bf16 inputs (q, k l2-normalised when use_qk_l2norm).
+    kd = k exp2(gam_last - gam), in exactly one of two fields:
+    * kd [B,T,HV,K] fp32, token-major (lowp off, or fp16 / fp32 inputs; kdt is None);
+    * kdt [NT_total,HV,K,BT] bf16 (lowp with bf16 inputs; kd is None): kd^T, one [K, BT] block per (chunk,
+      value head), chunk c of sequence n at n * cdiv(T, BT) + c, or chunk_offsets[n] + c for varlen (the
+      layout of the per-chunk states); columns past a sequence's end are zeros.
     """
     gam: torch.Tensor
     beta: torch.Tensor
@@ -285,8 +306,9 @@ class IntraOut(NamedTuple):
     Tm: torch.Tensor
     W: torch.Tensor
     U: torch.Tensor
-    kd: torch.Tensor
+    kd: Optional[torch.Tensor]
     qg: torch.Tensor
+    kdt: Optional[torch.Tensor] = None
 
 
 def chunk_kda_fwd_intra(
@@ -297,7 +319,8 @@ def chunk_kda_fwd_intra(
 ) -> IntraOut:
     """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
     A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
-    lowp: store W and qg in bf16 when v is bf16 (what the forward's state pass reads); fp32 otherwise.
+    lowp: when v is bf16, store W, qg, U, Aqk in bf16 and kd transposed per chunk in bf16 (``kdt``: what the
+    forward's state pass reads); fp32 and token-major otherwise (the backward's recompute reads kd).
 
     >>> out = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, K ** -0.5, None,
     ...                           True, True, True, False)
@@ -307,21 +330,23 @@ def chunk_kda_fwd_intra(
     layout = chunk_layout(B, T, cu_seqlens)
     dev = q.device
     f32 = torch.float32
-    wdt = v.dtype if lowp and v.dtype == torch.bfloat16 else f32     # fp16: S could overflow as a dot operand
+    kd_t = lowp and v.dtype == torch.bfloat16     # fp16: S could overflow as a dot operand
+    wdt = v.dtype if kd_t else f32
     out = IntraOut(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         beta=torch.empty(B, T, HV, dtype=f32, device=dev),
-        Aqk=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
+        Aqk=torch.empty(B, T, HV, BT, dtype=wdt, device=dev),
         Tm=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
         W=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
-        U=torch.empty(B, T, HV, V, dtype=f32, device=dev),
-        kd=torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        U=torch.empty(B, T, HV, V, dtype=wdt, device=dev),
+        kd=None if kd_t else torch.empty(B, T, HV, K, dtype=f32, device=dev),
         qg=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
+        kdt=torch.empty(layout.NT_total, HV, K, BT, dtype=wdt, device=dev) if kd_t else None,
     )
     grid = (layout.NT_total, HV)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
         q, k, v, g, beta, absent(A_log, q), absent(dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm, out.W, out.U, out.kd, out.qg,
+        out.gam, out.beta, out.Aqk, out.Tm, out.W, out.U, out.kdt if kd_t else out.kd, out.qg,
         absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
         H, HV, K=K, V=V, BT=BT, BC=BC, BV=min(64, triton.next_power_of_2(V)),
@@ -330,6 +355,6 @@ def chunk_kda_fwd_intra(
         USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
-        LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
+        LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16, KD_T=kd_t,
     )
     return out

@@ -7,14 +7,16 @@ as ONE fp32 accumulator and walks the sequence's chunks in order. Per chunk (all
     O  = qg S + Aqk Vn                               # [BT, BV]  output (scale folded into qg and Aqk)
     S  = diag(exp2(gam_last)) S + kd^T Vn            # state leaving the chunk
 
-Operands. In the forward (intra built with lowp, bf16 inputs) W and qg arrive in bf16 and their dots
-take S rounded to that dtype (W, qg and S together: ~3e-4 of relative error on the output); U, Aqk and kd
-stay fp32 (rounding U or Aqk costs ~1.6e-3 each since U - W S cancels, kd ~1.7e-3 on the state; numbers
-from benchmarks/precision_bf16.py), so Aqk Vn and kd^T Vn run in tf32. (A bf16 kd^T operand, loaded
-transposed, faulted in shared memory at K = 100 and 128 with triton 3.6 on the H200.) The backward's
-recompute passes fp32 W, qg too and every dot runs in tf32 (IEEE fp32 for fp32 inputs). The smaller W and
-qg let two pipeline stages fit in shared memory at K = 128: the loads of chunk c + 1 overlap the dots of
-chunk c.
+Operands, two modes (see intra.IntraOut):
+* the forward with bf16 inputs (intra built with lowp): W, qg, U, Aqk arrive in bf16 and kd as kd^T blocks
+  [K, BT] per chunk in bf16 (KD_T), loaded as a plain row-major [BK, BT] tile. All four dots are bf16 dots:
+  W S and qg S take S rounded to bf16, Aqk Vn and kd^T Vn take Vn rounded to bf16; S and Vn accumulate in
+  fp32. Rounding all of these costs ~2.4e-3 relative RMS on o and on the final state vs fp64
+  (benchmarks/precision_bf16.py; the GPU tests' bound for bf16 is 5e-3). (kd^T used to be loaded through a
+  transposed pointer pattern; a bf16 tile loaded that way faulted in shared memory at K = 100 and 128 with
+  triton 3.6 on the H200, hence the transposed storage.)
+* otherwise (the backward's recompute, fp16 / fp32 inputs): every operand fp32 and token-major, kd^T read
+  through a transposed pointer pattern, every dot in tf32 (IEEE fp32 for fp32 inputs).
 Fusing the output here means the per-chunk states never go through device memory in the plain
 forward; a backward that needs them asks for them (STORE_H) together with Vn (STORE_VN).
 """
@@ -32,9 +34,11 @@ from .intra import IntraOut
 
 @triton.autotune(
     configs=autotune_configs([
-        # one pipeline stage first (it fits at every K); two stages fit at K = 128 (188 KB with bf16 W, qg
-        # at BV = 32); configs that do not fit are skipped. (BV = 16 with 8 warps gave wrong results with
-        # triton 3.6 on the H200 (tests/test_gpu_configs.py) and faulted at large shapes: not listed.)
+        # one pipeline stage first (it fits at every K); two stages fit up to K = 128 (bf16 forward at BV = 32:
+        # 128 KB; the fp32 recompute: 160 KB) and at K = 256 only with BV = 16 in the bf16 forward (220 KB; sm_90
+        # allows 227 KB); configs that do not fit are skipped (benchmarks/NOTES.md: shared memory per config).
+        # (BV = 16 with 8 warps gave wrong results with triton 3.6 on the H200 (tests/test_gpu_configs.py) and
+        # faulted at large shapes: not listed.)
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
         triton.Config({"BV": 32}, num_warps=4, num_stages=2),
         triton.Config({"BV": 32}, num_warps=8, num_stages=2),
@@ -42,12 +46,13 @@ from .intra import IntraOut
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     ]),
-    key=["K", "V", "STORE_O", "STORE_H", "PREC"],
+    key=["K", "V", "STORE_O", "STORE_H", "PREC", "KD_T"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_state(
-    W, U, kd, qg, Aqk, gam,                  # from intra: [B,T,HV,K], [B,T,HV,V] fp32, [B,T,HV,K] x2,
-                                             #   [B,T,HV,BT] fp32, [B,T,HV,K] fp32 (W, qg: bf16 in a bf16 forward)
+    W, U, kd, qg, Aqk, gam,                  # from intra: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
+                                             #   [NT_total,HV,K,BT], [B,T,HV,K], [B,T,HV,BT], [B,T,HV,K] fp32
+                                             #   (all but gam bf16 in a bf16 forward, else fp32)
     h0,                                      # [N, HV, K, V] fp32
     o, h, vn, ht,                            # out: [B,T,HV,V], [NT_total, HV, K, V], [B,T,HV,V], [N, HV, K, V] fp32
     cu_seqlens, chunk_offsets, T, HV,
@@ -55,13 +60,21 @@ def chunk_kda_fwd_kernel_state(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
     STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    KD_T: tl.constexpr,
 ):
-    """Grid (cdiv(V, BV), N * HV). UPCAST (interpreter, whose 16-bit dots are wrong): operands rounded to
-    W's dtype are multiplied in fp32."""
+    """Grid (cdiv(V, BV), N * HV). KD_T: kd holds kd^T blocks [K, BT] per chunk (zeros past a sequence's end).
+    UPCAST (interpreter, whose 16-bit dots are wrong): operands rounded to their storage dtype (bf16 or
+    fp32) are multiplied in fp32."""
+    # operand dtypes: S goes into the dots in W's dtype (W S, qg S), Vn in Aqk's (Aqk Vn, kd^T Vn): bf16 in a
+    # bf16 forward, fp32 otherwise (fp16 / fp32 inputs, the recompute)
+    S_DT = W.dtype.element_ty
+    VN_DT = Aqk.dtype.element_ty
     if UPCAST:
         DOT_DT = tl.float32
+        DOT_DT2 = tl.float32
     else:
-        DOT_DT = W.dtype.element_ty      # bf16 (a bf16 forward) or fp32 (fp16 / fp32 inputs, the recompute)
+        DOT_DT = S_DT
+        DOT_DT2 = VN_DT
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = (i_nh // HV).to(tl.int64), i_nh % HV
     if IS_VARLEN:
@@ -76,7 +89,10 @@ def chunk_kda_fwd_kernel_state(
     NT = tl.cdiv(T_n, BT)
     # per-sequence bases of the token-major tensors
     W += (bos * HV + i_hv) * K
-    kd += (bos * HV + i_hv) * K
+    if KD_T:
+        kd += (boh * HV + i_hv) * (K * BT)
+    else:
+        kd += (bos * HV + i_hv) * K
     qg += (bos * HV + i_hv) * K
     gam += (bos * HV + i_hv) * K
     U += (bos * HV + i_hv) * V
@@ -91,7 +107,10 @@ def chunk_kda_fwd_kernel_state(
     p_kv = o_k[:, None] * V + o_v[None, :]                   # [BK, BV] offsets inside one [K, V] state
     # loop-invariant int32 tile offsets; the chunk moves the scalar base pointers
     o_tk = o_t[:, None] * (HV * K) + o_k[None, :]            # [BT, BK]
-    o_kt = o_k[:, None] + o_t[None, :] * (HV * K)            # [BK, BT] (kd read transposed)
+    if KD_T:
+        o_kt = o_k[:, None] * BT + o_t[None, :]              # [BK, BT] row-major in the chunk's kd^T block
+    else:
+        o_kt = o_k[:, None] + o_t[None, :] * (HV * K)        # [BK, BT] (token-major kd read transposed)
     o_tv = o_t[:, None] * (HV * V) + o_v[None, :]            # [BT, BV]
     o_tt = o_t[:, None] * (HV * BT) + o_t[None, :]           # [BT, BT]
 
@@ -107,25 +126,31 @@ def chunk_kda_fwd_kernel_state(
         c_v = t_c * (HV * V)
         if STORE_H:
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
-        b_sd = b_s.to(W.dtype.element_ty).to(DOT_DT)          # [BK, BV] the state as a dot operand
+        b_sd = b_s.to(S_DT).to(DOT_DT)                       # [BK, BV] the state as a dot operand
         # [BT, BK] @ [BK, BV] -> [BT, BV]
         b_w = tl.load(W + c_k + o_tk, mask=m_tk, other=0.0).to(DOT_DT)
-        b_vn = tl.load(U + c_v + o_tv, mask=m_tv, other=0.0) - tl.dot(b_w, b_sd, input_precision=PREC)
+        b_u = tl.load(U + c_v + o_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
         if STORE_VN:
             tl.store(vn + (bos * HV + i_hv) * V + c_v + o_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        b_vnd = b_vn.to(VN_DT).to(DOT_DT2)                   # [BT, BV] Vn as a dot operand
         if STORE_O:
             # [BT, BK] @ [BK, BV] + [BT, BT] @ [BT, BV] -> [BT, BV]
             b_qg = tl.load(qg + c_k + o_tk, mask=m_tk, other=0.0).to(DOT_DT)
-            b_a = tl.load(Aqk + t_c * (HV * BT) + o_tt, mask=m_t[:, None], other=0.0)
+            b_a = tl.load(Aqk + t_c * (HV * BT) + o_tt, mask=m_t[:, None], other=0.0).to(DOT_DT2)
             b_o = tl.dot(b_qg, b_sd, input_precision=PREC)
-            b_o += tl.dot(b_a, b_vn, input_precision=PREC)
+            b_o += tl.dot(b_a, b_vnd, input_precision=PREC)
             tl.store(o + (bos * HV + i_hv) * V + c_v + o_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         # [BK, BT] kd^T; [BK] gam of the chunk's last valid row
-        b_kdt = tl.load(kd + c_k + o_kt, mask=tl.trans(m_tk), other=0.0)
+        if KD_T:
+            c_kt = ((bos - bos) + i_c) * (HV * K * BT)       # int64 offset of the chunk's block
+            b_kdt = tl.load(kd + c_kt + o_kt, mask=m_k[:, None], other=0.0).to(DOT_DT2)
+        else:
+            b_kdt = tl.load(kd + c_k + o_kt, mask=tl.trans(m_tk), other=0.0).to(DOT_DT2)
         t_last = (bos - bos) + tl.minimum((i_c + 1) * BT, T_n) - 1     # int64
         b_gl = tl.load(gam + t_last * (HV * K) + o_k, mask=m_k, other=0.0)
         # [BK, BT] @ [BT, BV] -> [BK, BV]
-        b_s = b_s * tl.exp2(b_gl)[:, None] + tl.dot(b_kdt, b_vn, input_precision=PREC)
+        b_s = b_s * tl.exp2(b_gl)[:, None] + tl.dot(b_kdt, b_vnd, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_s, mask=m_kv)
 
@@ -150,6 +175,7 @@ def chunk_kda_fwd_state(
     initial_state [N, HV, K, V] fp32 or None; cu_seqlens [N + 1] or None; dtype: the dtype of v (o, h, vn).
     """
     B, T, HV, K = intra.W.shape
+    kd_t = intra.kdt is not None
     V = intra.U.shape[-1]
     layout = chunk_layout(B, T, cu_seqlens)
     dev, dt = intra.W.device, dtype
@@ -163,12 +189,12 @@ def chunk_kda_fwd_state(
         return (triton.cdiv(V, meta["BV"]), layout.N * HV)
 
     torch.library.wrap_triton(chunk_kda_fwd_kernel_state)[grid](
-        intra.W, intra.U, intra.kd, intra.qg, intra.Aqk, intra.gam, pick(initial_state),
+        intra.W, intra.U, intra.kdt if kd_t else intra.kd, intra.qg, intra.Aqk, intra.gam, pick(initial_state),
         pick(o), pick(h), pick(vn), pick(ht),
         pick(cu_seqlens), pick(layout.chunk_offsets), T, HV,
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_H=store_h, STORE_VN=store_vn,
         STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, UPCAST=INTERPRET,
-        PREC=dot_precision(dt),
+        PREC=dot_precision(dt), KD_T=kd_t,
     )
     return StateOut(o, h, vn, ht)
