@@ -1,0 +1,53 @@
+#!/bin/bash
+# Several versions of the kernels side by side in ONE device call (kda_ops only, autotuned, same GPU state).
+#
+#   here:        bash benchmarks/variants.sh prepare NAME=REV ...   e.g. main=main v5=next/fwd-intra-v5
+#                (git archive of kda_ops/, tests/ and benchmarks/bench_kda.py of each REV into .variants/NAME,
+#                 git-ignored: carry ".variants" and ".wheels")
+#   on the GPU:  OUT=$OUT bash benchmarks/variants.sh run NAME:MODE ...   e.g. main:fwd v5:fwd main:fwdbwd
+#                knobs: SHAPES (bench_kda --shapes, default the two headline shapes), BENCH_TIMEOUT (s per run,
+#                default 90), TESTV (a variant whose GPU tests run after the benchmarks, first configs, until
+#                END seconds after the start, default 540), TESTS (pytest paths for TESTV).
+# Each run writes its log and JSON under $OUT/NAME; the last lines of every log are printed. The per-stage
+# times of --stages move by up to ~0.3 ms from call to call for the same code: compare totals.
+set -o pipefail
+cmd=$1; shift
+if [ "$cmd" = prepare ]; then
+  for spec in "$@"; do
+    name=${spec%%=*}; rev=${spec#*=}
+    rm -rf ".variants/$name" && mkdir -p ".variants/$name"
+    git archive "$rev" kda_ops tests benchmarks/bench_kda.py | tar x -C ".variants/$name" || exit 1
+    echo "$name: $(git rev-parse --short "$rev") $rev" | tee ".variants/$name/REV"
+  done
+  exit 0
+fi
+[ "$cmd" = run ] || { echo "usage: variants.sh prepare NAME=REV ... | run NAME:MODE ..." >&2; exit 2; }
+OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+if [ -d .wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>/dev/null || exit 1
+fi
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv | tee "$OUT/gpu.txt"
+cat .variants/*/REV | tee -a "$OUT/gpu.txt"
+T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
+for spec in "$@"; do
+  v=${spec%%:*}; mode=${spec#*:}
+  echo "== $v $mode $(el)"
+  (cd ".variants/$v" && PYTHONPATH=/tmp/site:$PWD timeout "${BENCH_TIMEOUT:-90}" python3 benchmarks/bench_kda.py \
+     --mode "$mode" --stages --providers kda_ops --shapes ${SHAPES:-1,8192,32,128 4,4096,32,128} \
+     --out "$OUT/$v" > "$OUT/${v}_$mode.log" 2>&1)
+  grep -v "^\s*File\|^\s*\^" "$OUT/${v}_$mode.log" | tail -6
+done
+if [ -n "$TESTV" ]; then
+  echo "== tests $TESTV $(el)"
+  (cd ".variants/$TESTV" && PYTHONPATH=/tmp/site:$PWD KDA_OPS_AUTOTUNE=0 \
+     timeout $(( ${END:-540} - ($(date +%s) - T0) )) python3 -m pytest -q -p no:cacheprovider -m gpu \
+     ${TESTS:-tests/test_gpu_fwd.py tests/test_gpu_bwd.py} > "$OUT/tests_$TESTV.log" 2>&1)
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_$TESTV.log" | cut -c1-400 | tail -20
+fi
+echo "== done $(el)"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_cache.tgz" -T -)
+# the device tool brings back at most 8 files: one archive of the logs and JSONs
+tar czf /tmp/variants.tgz -C "$OUT" --exclude autotune_cache.tgz --exclude gpu.txt . && rm -rf "$OUT"/*/ "$OUT"/*.log \
+  && mv /tmp/variants.tgz "$OUT/variants.tgz"
