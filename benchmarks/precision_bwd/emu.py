@@ -29,6 +29,8 @@ BK3 = 32                   # K-block of stage 3 (intra_bwd first autotune config
 SPAN3 = SPAN               # stage-3 fast-path threshold (set < 0 to force the exact path: a candidate fix)
 FAST_LOG = []              # fraction of stage-3 (chunk, K-block) programs on the fast path, per call
 TF32_MODE = "rn"           # "rn": round to nearest, "rz": truncate (mma ignoring the low 13 bits)
+DIAG_SPLIT = False         # candidate fix: stage 3's factored operands as tf32 hi + lo on the rows of the own
+                           # (diagonal) block only, single tf32 on the earlier / later blocks
 
 
 def bf(t):
@@ -264,10 +266,14 @@ def stage3(P, M, q, k, bt, gam, Tc, rnd_m, rnd):
                     kc = torch.where((i < r0)[:, None], kb * (ga - g).clamp(max=0).exp(), 0.0)
                     gb_ = _rows(g, torch.minimum(torch.full_like(Tc, r0 + BC - 1), Tc - 1)[:, None].expand(-1, C))[..., :1, :]
                     er = torch.where((i >= r0 + BC)[:, None], (g - gb_).clamp(max=0).exp(), 0.0)
-                rkc = rnd(kc)
+                rd = rnd
+                if DIAG_SPLIT and rnd is tf:       # (only where stage 3 rounds at all)
+                    own = ((i >= r0) & (i < r0 + BC))[:, None]
+                    rd = lambda t: torch.where(own, tf(t) + tf(t - tf(t)), rnd(t))  # noqa: E731
+                rkc = rd(kc)
                 dqa[..., rows, :] = rP[..., rows, :] @ rkc
                 x[..., rows, :] = rM[..., rows, :] @ rkc
-                dka[..., rows, :] = rPt[..., rows, :] @ rnd(qb * er) + rMt[..., rows, :] @ rnd(kbb * er)
+                dka[..., rows, :] = rPt[..., rows, :] @ rd(qb * er) + rMt[..., rows, :] @ rd(kbb * er)
             if path == "fast":
                 ea = (g - gm).clamp(max=SPAN).exp()
                 eb = (gm - g).clamp(max=SPAN).exp()
