@@ -8,7 +8,8 @@ Providers: ``kda_ops`` (kda_ops.chunk_kda; in fwd mode falls back to kda_ops.ker
 when the public op is missing), ``fla`` (fla.ops.kda.chunk_kda), ``compiled`` (torch.compile of
 kda_ops.reference.chunk_kda_fwd_torch, fwd only, only with --with-compiled and at most --compiled-max-chunks
 chunks per sequence, else n/a). All with the gate, the q/k l2norm and the beta sigmoid inside the op, bf16.
-Times are medians of triton.testing.do_bench; memory is the peak allocated during one call minus before it.
+Times are medians of triton.testing.do_bench (with --rounds N, the smallest of N interleaved medians); memory is
+the peak allocated during one call minus before it.
 """
 from __future__ import annotations
 
@@ -199,6 +200,9 @@ def main():
     ap.add_argument("--fla-from", default=None,
                     help="results JSON of an earlier run of this script (same card and mode): take the FLA "
                          "times from it instead of timing FLA again (FLA autotunes for minutes on first use)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the providers this many times, interleaved (kda_ops, fla, kda_ops, fla, ...), and "
+                         "report the smallest median of each (every round is kept in the JSON)")
     ap.add_argument("--with-compiled", action="store_true")
     ap.add_argument("--compiled-max-chunks", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -237,16 +241,20 @@ def main():
         providers = [(n, f) for n, f in [("kda_ops", fn_kda_ops), ("fla", fn_fla)] if n in wanted]
         if args.with_compiled and not backward and T // 64 <= args.compiled_max_chunks:
             providers.append(("compiled", fn_compiled))
-        for name, mk in providers:
-            try:
-                ms, mib = measure(mk, x, D, backward)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                ms, mib = None, None
-                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-            row[f"{name}_ms"] = ms
-            if backward:
-                row[f"{name}_peak_mib"] = mib
+        for rnd in range(args.rounds):
+            for name, mk in providers:
+                if f"{name}_error" in row:
+                    continue
+                try:
+                    ms, mib = measure(mk, x, D, backward)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    ms, mib = None, None
+                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+                row.setdefault(f"{name}_ms_rounds", []).append(ms)
+                row[f"{name}_ms"] = min((m for m in row[f"{name}_ms_rounds"] if m is not None), default=None)
+                if backward:
+                    row[f"{name}_peak_mib"] = mib
         if args.stages:
             try:
                 row.update(time_bwd_stages(x, D) if backward else time_stages(x, D))
