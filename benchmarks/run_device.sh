@@ -4,8 +4,8 @@
 #   bash benchmarks/run_device.sh [step ...]     (repo root; carry .wheels; default: every step)
 #   steps: tests configs fwd fwdbwd mqar export aoti profile (profile: Nsight Compute, not in the default)
 #
-# Each step has its own time limit and writes its log under $OUT (default ./out); at the end everything is
-# packed into $OUT/results.tgz as well, because the device tool brings back at most 8 files. Set
+# Each step has its own time limit and writes its log under $OUT (default ./out); at the end everything but
+# gpu.txt and the autotune cache is packed into $OUT/results.tgz (device_env.sh), because the device tool brings back at most 8 files. Set
 # KDA_OPS_AUTOTUNE=0 in the environment for first-config runs. Budget for every step: ~15 min (FLA autotunes
 # for minutes on first use in fwd / fwdbwd; MQAR trains for ~3-4 min). Narrower runs: TESTS (pytest paths/args of
 # the tests step, default every gpu test), CONFIGS (kernel names for -k of the configs step), BENCH (extra
@@ -13,19 +13,10 @@
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${*:-tests configs fwd fwdbwd mqar export aoti}
-if [ -d .wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-# Autotune results persist across calls: the archive autotune_cache.tgz (the *.autotune.json files only, a few
-# KB) comes back in $OUT; unpack it into .triton_cache (git-ignored) here and carry .triton_cache next call, so
-# FLA's first-use autotune (minutes) and ours are skipped when the kernels and configs are unchanged.
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
-mkdir -p "$TRITON_CACHE_DIR"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv | tee "$OUT/gpu.txt"
+OUT=$(realpath "$OUT")
+source "$(dirname "$0")/device_env.sh"
+device_setup
+export PYTHONPATH=/tmp/site:$PWD
 git log -1 --format='%H %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
@@ -79,6 +70,4 @@ if has aoti; then
   tail -c 3000 "$OUT/aoti_probe.log"
 fi
 step done
-(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_cache.tgz" -T -)
-# the tool brings back at most 8 files: keep the archive and the small top-level logs
-tar czf /tmp/results.tgz -C "$OUT" --exclude autotune_cache.tgz . && rm -rf "$OUT"/*/ && mv /tmp/results.tgz "$OUT/results.tgz" && ls -la "$OUT"
+device_pack results

@@ -23,12 +23,8 @@ if [ "$cmd" = prepare ]; then
 fi
 [ "$cmd" = run ] || { echo "usage: variants.sh prepare NAME=REV ... | run NAME:MODE ..." >&2; exit 2; }
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
-if [ -d .wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>/dev/null || exit 1
-fi
-export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
-mkdir -p "$TRITON_CACHE_DIR"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
+device_setup
 cat .variants/*/REV | tee -a "$OUT/gpu.txt"
 T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
 for spec in "$@"; do
@@ -47,7 +43,4 @@ if [ -n "$TESTV" ]; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_$TESTV.log" | cut -c1-400 | tail -20
 fi
 echo "== done $(el)"
-(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_cache.tgz" -T -)
-# the device tool brings back at most 8 files: one archive of the logs and JSONs
-tar czf /tmp/variants.tgz -C "$OUT" --exclude autotune_cache.tgz --exclude gpu.txt . && rm -rf "$OUT"/*/ "$OUT"/*.log \
-  && mv /tmp/variants.tgz "$OUT/variants.tgz"
+device_pack variants
