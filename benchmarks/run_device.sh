@@ -5,11 +5,11 @@
 #   steps: tests configs fwd fwdbwd mqar export aoti profile (profile: Nsight Compute, not in the default)
 #
 # Each step has its own time limit and writes its log under $OUT (default ./out); at the end everything but
-# gpu.txt and the autotune cache is packed into $OUT/results.tgz (device_env.sh), because the device tool
-# brings back at most 8 files. Set KDA_OPS_AUTOTUNE=0 in the environment for first-config runs. Budget for every step: ~15 min (FLA autotunes
-# for minutes on first use in fwd / fwdbwd; MQAR trains for ~3-4 min). Narrower runs: TESTS (pytest paths/args of
-# the tests step, default every gpu test), CONFIGS (kernel names for -k of the configs step), BENCH (extra
-# bench_kda.py arguments, e.g. "--providers kda_ops --shapes 1,8192,32,128").
+# gpu.txt and the autotune cache is packed into $OUT/results.tgz (device_env.sh), because the device tool brings
+# back at most 8 files. Set KDA_OPS_AUTOTUNE=0 in the environment for first-config runs. Budget for every step:
+# ~15 min (FLA autotunes for minutes on first use in fwd / fwdbwd; MQAR trains for ~3-4 min). Narrower runs:
+# TESTS (pytest paths/args of the tests step, default every gpu test), CONFIGS (kernel names for -k of the
+# configs step), BENCH (extra bench_kda.py arguments, e.g. "--providers kda_ops --shapes 1,8192,32,128").
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${*:-tests configs fwd fwdbwd mqar export aoti}
