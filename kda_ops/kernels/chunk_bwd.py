@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
+from .common import (BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot,
+                     tune_size)
 
 
 @triton.jit
@@ -42,14 +43,14 @@ def load_rows(x, r, o_t, m_t, o_k, m_k, sx, sr, USE_L2NORM: tl.constexpr):
         triton.Config({"BV": 64}, num_warps=4, num_stages=1),
         triton.Config({"BV": 64}, num_warps=4, num_stages=3),
     ]),
-    key=["K", "V", "PREC"],
+    key=["K", "V", "PREC", "TUNE_SIZE"],
     reset_to_zero=["dM", "dbeta"],
 )
 @triton.jit
 def chunk_kda_bwd_kernel_inter(
     q, k, rq, rk, v, gam, beta, Tm, W, U, h, vn, do, dh, dvn,   # inputs
     dq, dk, dgam, dv, dAqk, dM, dbeta,                          # outputs (dM, dbeta: zeroed, accumulated)
-    cu_seqlens, chunk_indices, scale, T, N, H, HV,
+    cu_seqlens, chunk_indices, scale, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
 ):
@@ -229,7 +230,7 @@ def chunk_kda_bwd_inter(
     torch.library.wrap_triton(chunk_kda_bwd_kernel_inter)[grid](
         q, k, pick(rq), pick(rk), v, gam, beta, Tm, W, U, h, vn, do, dh, dvn,
         dq, dk, dgam, dv, dAqk, dM, dbeta,
-        pick(cu_seqlens), pick(layout.chunk_indices), float(scale), T, layout.N, H, HV,
+        pick(cu_seqlens), pick(layout.chunk_indices), float(scale), T, layout.N, H, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=BK,
         USE_L2NORM=rq is not None, IS_VARLEN=cu_seqlens is not None,
         PREC=dot_precision(v.dtype), LOWP_DOT=lowp_dot(v.dtype),

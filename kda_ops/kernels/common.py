@@ -68,6 +68,17 @@ def chunk_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkLay
     return ChunkLayout(N, NT_total, chunk_indices, starts.to(torch.int32).contiguous())
 
 
+def tune_size(tokens, heads):
+    """The problem-size part of the chunk kernels' autotune keys: tokens * value heads / 2^14, at most 32.
+
+    Without it a config timed on the first call's shape was reused for every later one: the forward's state
+    pass ran the config that won at a test shape (T ~ 100) in every benchmark after it. Under torch.compile
+    this is a symbolic expression (a min of a floor division: no guard), so a new sequence length recompiles
+    nothing; each distinct value tunes once (at most 33 per kernel and flags).
+    """
+    return torch.sym_min((tokens * heads) // 16384, 32)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """input_precision of the fp32 dots: tf32 for 16-bit inputs, IEEE fp32 for fp32 inputs.
 

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot
+from .common import (BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot,
+                     tune_size)
 from .prepare import load_beta, load_gam_block
 
 L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EPS (kernels do not import the reference)
@@ -78,7 +79,7 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),   # 255 regs: two programs per SM
     ]),
-    key=["K", "V", "USE_L2NORM", "USE_GATE", "PREC"],
+    key=["K", "V", "USE_L2NORM", "USE_GATE", "PREC", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_intra(
@@ -87,7 +88,7 @@ def chunk_kda_fwd_kernel_intra(
     W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
                                              #   [NT_total,HV,K,BT], [B,T,HV,K]
                                              #   (Aqk, W, U, kd, qg: bf16 in a bf16 forward, else fp32)
-    cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV,
+    cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -349,7 +350,7 @@ def chunk_kda_fwd_intra(
         out.gam, out.beta, out.Aqk, out.Tm, out.W, out.U, out.kdt if kd_t else out.kd, out.qg,
         absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
-        H, HV, K=K, V=V, BT=BT, BC=BC, BV=min(64, triton.next_power_of_2(V)),
+        H, HV, tune_size(B * T, HV), K=K, V=V, BT=BT, BC=BC, BV=min(64, triton.next_power_of_2(V)),
         USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
         USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .chunk_bwd import load_rows
-from .common import BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision
+from .common import BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, tune_size
 from .intra import SPAN
 
 
@@ -43,9 +43,13 @@ from .intra import SPAN
         triton.Config({"BK": 32}, num_warps=8, num_stages=1),
         triton.Config({"BK": 16}, num_warps=8, num_stages=1),   # no spills at any K, fp32 inputs included
         triton.Config({"BK": 16}, num_warps=4, num_stages=1),
+        # two programs per SM: 1.76 ms against 2.00 (BK 16, 4 warps) and 2.33 (BK 32, 8 warps) at (1, 8192, 32,
+        # 128) on the H200 (benchmarks/results/gpu_session_2026-11-29e_H200.md); capping registers at 168 or 128
+        # for three or four programs per SM was slower (spills)
+        triton.Config({"BK": 32}, num_warps=4, num_stages=1),
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
     ]),
-    key=["K", "USE_GATE", "PREC"],
+    key=["K", "USE_GATE", "PREC", "TUNE_SIZE"],
     restore_value=["dq", "dk"],
 )
 @triton.jit
@@ -53,7 +57,7 @@ def chunk_kda_bwd_kernel_intra(
     q, k, rq, rk, gam, beta, dAqk, dM, g_raw, beta_raw, A_log, dt_bias,  # inputs
     dq, dk, dgam, dbeta_p,                     # inputs: stage-2 terms (dq, dk completed in place)
     dg, dbeta, dA_log_p, ddt_bias_p,           # outputs
-    cu_seqlens, chunk_indices, lower_bound, T, N, H, HV,
+    cu_seqlens, chunk_indices, lower_bound, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr, HAS_ALOG: tl.constexpr,
@@ -274,7 +278,7 @@ def chunk_kda_bwd_intra(
         dq, dk, dgam, dbeta_p,
         dg, dbeta, pick(dA_log_p), pick(ddt_bias_p),
         pick(cu_seqlens), pick(layout.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),
-        T, layout.N, H, HV, K=K, BT=BT, BC=BC,
+        T, layout.N, H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
         USE_L2NORM=rq is not None, USE_GATE=use_gate, USE_LOWER_BOUND=lower_bound is not None,
         USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval, HAS_ALOG=has_alog,
         HAS_BIAS=has_bias, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, INTERPRET, absent, autotune_configs, chunk_layout, dot_precision
+from .common import BT, INTERPRET, absent, autotune_configs, chunk_layout, dot_precision, tune_size
 from .intra import IntraOut
 
 
@@ -46,7 +46,7 @@ from .intra import IntraOut
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     ]),
-    key=["K", "V", "STORE_O", "STORE_H", "PREC", "KD_T"],
+    key=["K", "V", "STORE_O", "STORE_H", "PREC", "KD_T", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_state(
@@ -55,7 +55,7 @@ def chunk_kda_fwd_kernel_state(
                                              #   (all but gam bf16 in a bf16 forward, else fp32)
     h0,                                      # [N, HV, K, V] fp32
     o, h, vn, ht,                            # out: [B,T,HV,V], [NT_total, HV, K, V], [B,T,HV,V], [N, HV, K, V] fp32
-    cu_seqlens, chunk_offsets, T, HV,
+    cu_seqlens, chunk_offsets, T, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
@@ -191,7 +191,7 @@ def chunk_kda_fwd_state(
     torch.library.wrap_triton(chunk_kda_fwd_kernel_state)[grid](
         intra.W, intra.U, intra.kdt if kd_t else intra.kd, intra.qg, intra.Aqk, intra.gam, pick(initial_state),
         pick(o), pick(h), pick(vn), pick(ht),
-        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV,
+        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_H=store_h, STORE_VN=store_vn,
         STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, UPCAST=INTERPRET,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, lowp_dot
+from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, lowp_dot, tune_size
 
 
 @triton.autotune(
@@ -30,13 +30,13 @@ from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, l
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
         triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     ]),
-    key=["K", "V", "PREC"],
+    key=["K", "V", "PREC", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_bwd_kernel_state(
     qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K] x3, [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
     dh, dvn, dh0,                            # out: [NT_total,HV,K,V], [B,T,HV,V], [N,HV,K,V] fp32
-    cu_seqlens, chunk_offsets, T, HV,
+    cu_seqlens, chunk_offsets, T, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -141,7 +141,7 @@ def chunk_kda_bwd_state(
 
     torch.library.wrap_triton(chunk_kda_bwd_kernel_state)[grid](
         qg, kd, W, gam, Aqk, do, pick(dht), dh, dvn, pick(dh0),
-        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV,
+        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
         PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),
