@@ -47,8 +47,8 @@ def comp(jf, sig, consts, num_warps, num_stages, tag):
 def intra(dt='bf16', K=128, V=128, w=8, BK=32, wdt=None, **flags):
     """wdt: storage dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk; fp32: the recompute)."""
     wdt = wdt or dt
-    names = ['q','k','v','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV']
-    types = [f'*{dt}']*5 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + [f'*{wdt}']*4 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32']
+    names = ['q','k','v','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*5 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + [f'*{wdt}']*4 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BC=16, BK=BK, BV=min(64, triton.next_power_of_2(V)),
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
@@ -60,8 +60,8 @@ def intra(dt='bf16', K=128, V=128, w=8, BK=32, wdt=None, **flags):
 
 def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
     """wdt: dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk (KD_T); fp32: the recompute)."""
-    names = ['W','U','kd','qg','Aqk','gam','h0','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV']
-    types = [f'*{wdt}']*5 + ['*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32']
+    names = ['W','U','kd','qg','Aqk','gam','h0','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
+    types = [f'*{wdt}']*5 + ['*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_H0=True, STORE_O=True, STORE_H=False,
              STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32',
