@@ -93,3 +93,37 @@ def test_compiled_backward_with_permuted_inputs():
     got = torch.autograd.grad(torch.compile(f, fullgraph=True, dynamic=True)(*inputs), inputs)
     for w, x in zip(want, got):
         torch.testing.assert_close(x, w, rtol=1e-4, atol=1e-6)
+
+
+def test_autotune_size_class_adds_no_guard():
+    """The GPU launchers pass kernels.common.tune_size(B * T, HV) into their autotune keys. Under
+    torch.compile with dynamic shapes it must stay a symbolic expression: a Python branch on T there would
+    guard on T and recompile for every sequence length (this runs on CPU: the expression is the same)."""
+    from kda_ops.kernels.common import tune_size
+
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    @torch.compile(backend=backend, dynamic=True, fullgraph=True)
+    def f(x):
+        return x * tune_size(x.shape[0] * x.shape[1], x.shape[2])
+
+    for T in (3, 100, 3000, 70000, 200000):        # size classes 0, 0, 0, 17 and 32 (capped)
+        x = torch.ones(1, T, 4)
+        assert f(x)[0, 0, 0].item() == min(T * 4 // 16384, 32)
+    assert len(frames) == 1
+
+
+def test_chunk_kernels_autotune_per_size_class():
+    """Every autotuned chunk kernel keys its configs on the size class as well as K / V and flags (a config
+    timed on the first call's shape, e.g. a test's, was reused for every shape after it)."""
+    from kda_ops.kernels import chunk_bwd, intra, intra_bwd, state, state_bwd
+
+    for kernel in (intra.chunk_kda_fwd_kernel_intra, state.chunk_kda_fwd_kernel_state,
+                   state_bwd.chunk_kda_bwd_kernel_state, chunk_bwd.chunk_kda_bwd_kernel_inter,
+                   intra_bwd.chunk_kda_bwd_kernel_intra):
+        assert "TUNE_SIZE" in kernel.keys, kernel.fn.__name__
