@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kda_ops.kernels.intra import chunk_kda_fwd_kernel_intra  # noqa: E402
+from kda_ops.kernels.intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_wu  # noqa: E402
 from kda_ops.kernels.state import chunk_kda_fwd_kernel_state  # noqa: E402
 
 OUT = tempfile.mkdtemp(prefix="kda_sm90_")
@@ -44,19 +44,31 @@ def comp(jf, sig, consts, num_warps, num_stages, tag):
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
     print(f"  {tag}: shared {k.metadata.shared} {res} ({time.time()-t:.1f}s)", flush=True)
 
-def intra(dt='bf16', K=128, V=128, w=8, BK=32, wdt=None, **flags):
-    """wdt: storage dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk; fp32: the recompute)."""
+def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
+    """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
     wdt = wdt or dt
-    names = ['q','k','v','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*5 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + [f'*{wdt}']*4 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
+    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
-    c = dict(K=K, V=V, BT=64, BC=16, BK=BK, BV=min(64, triton.next_power_of_2(V)),
+    c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
-             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
-             KD_T=wdt == 'bf16')
+             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32')
     c.update(flags)
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_intra, sig, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
+
+
+def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
+    """The W / U / kd / qg kernel. wdt as for intra (bf16: kd^T per chunk (KD_T))."""
+    wdt = wdt or dt
+    names = ['q','k','v','gam','beta_act','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*3 + ['*fp32']*3 + [f'*{wdt}']*4 + ['*i32','*i32','fp32','i32','i32','i32','i32','i32']
+    sig = dict(zip(names, types))
+    c = dict(K=K, V=V, BT=64, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_L2NORM=True, IS_VARLEN=False,
+             PREC='ieee' if dt=='fp32' else 'tf32', KD_T=wdt == 'bf16')
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_fwd_kernel_wu, sig, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
+
 
 def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
     """wdt: dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk (KD_T); fp32: the recompute)."""
@@ -76,9 +88,14 @@ def configs(kernel):
     return [(cf.kwargs['BV'], cf.num_warps, cf.num_stages) for cf in kernel.configs]
 
 if __name__ == '__main__':
-    what = sys.argv[1:] or ['intra', 'state']
+    what = sys.argv[1:] or ['intra', 'wu', 'state']
     if 'intra' in what:
-        intra(); intra(BK=64); intra(w=4); intra(wdt='fp32'); intra(K=256, V=256); intra(K=100, V=100); intra('fp32', K=100, V=100)
+        intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
+    if 'wu' in what:
+        for (BK, w, st) in [(cf.kwargs['BK'], cf.num_warps, cf.num_stages) for cf in chunk_kda_fwd_kernel_wu.configs]:
+            for K in (128, 256, 100):
+                wu(K=K, V=K, BK=BK, w=w, s=st)
+            wu(wdt='fp32', BK=BK, w=w, s=st)
     if 'state' in what:
         for K in (128, 256, 64, 100):
             for (BV, w, s) in configs(chunk_kda_fwd_kernel_state):

@@ -24,6 +24,7 @@ pytestmark = [
 
 KERNELS = [
     "intra:chunk_kda_fwd_kernel_intra",
+    "intra:chunk_kda_fwd_kernel_wu",
     "state:chunk_kda_fwd_kernel_state",
     "state_bwd:chunk_kda_bwd_kernel_state",
     "chunk_bwd:chunk_kda_bwd_kernel_inter",

@@ -1,6 +1,9 @@
 """Stage 2 of the forward: everything inside one chunk that does not depend on the state.
 
-One program per (chunk, value head) computes, with prepare.py's helpers fused in:
+Two launches, each one program per (chunk, value head). The first (chunk_kda_fwd_kernel_intra, with
+prepare.py's helpers fused in) computes gam, beta, Aqk, L and Tm; the second (chunk_kda_fwd_kernel_wu)
+computes W, U, kd and qg from the stored Tm. The first needs ~240 registers per thread in every phase (two
+programs per SM at 4 warps); the second needs far fewer, so it runs more programs per SM.
 
     gam      [BT, K]   in-chunk cumsum of the activated log decay, log2 units (stored: the kernel re-reads it)
     Aqk      [BT, BT]  scale * sum_d q_i k_j exp2(gam_i - gam_j), j <= i
@@ -79,25 +82,22 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),   # 255 regs: two programs per SM
     ]),
-    key=["K", "V", "USE_L2NORM", "USE_GATE", "PREC", "TUNE_SIZE"],
+    key=["K", "USE_L2NORM", "USE_GATE", "PREC", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_intra(
-    q, k, v, g, beta, A_log, dt_bias,        # [B,T,H,K] x2, [B,T,HV,V], [B,T,HV,K], [B,T,HV], [HV], [HV*K]
-    gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32 but Aqk)
-    W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
-                                             #   [NT_total,HV,K,BT], [B,T,HV,K]
-                                             #   (Aqk, W, U, kd, qg: bf16 in a bf16 forward, else fp32)
+    q, k, g, beta, A_log, dt_bias,           # [B,T,H,K] x2, [B,T,HV,K], [B,T,HV], [HV], [HV*K]
+    gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32; Aqk bf16 in a
+                                             #   bf16 forward)
     cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV, TUNE_SIZE,
-    K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
-    KD_T: tl.constexpr,
 ):
-    """One program per (chunk, value head): grid (NT_total, HV). KD_T: kd is stored transposed, block i_t of
-    [NT_total, HV, K, BT] (all BT columns written: columns past the chunk's end are zeros)."""
+    """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk and Tm; W, U, kd and qg follow
+    from Tm in chunk_kda_fwd_kernel_wu."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -108,7 +108,7 @@ def chunk_kda_fwd_kernel_intra(
     f_scale = tl.cast(scale, tl.float32)
     f_lb = tl.cast(lower_bound, tl.float32)
     if LOWP_DOT:   # operand dtype of the Aqk / Akk dots: bf16 for bf16 inputs, else fp32
-        DOT_DT = v.dtype.element_ty
+        DOT_DT = q.dtype.element_ty
     else:
         DOT_DT = tl.float32
 
@@ -118,19 +118,10 @@ def chunk_kda_fwd_kernel_intra(
     # row strides of the token-major tensors
     sq = H * K
     sg = HV * K
-    sv = HV * V
     sa = HV * BT
     q += t0 * sq + i_h * K
     k += t0 * sq + i_h * K
-    v += t0 * sv + i_hv * V
     gam += t0 * sg + i_hv * K
-    W += t0 * sg + i_hv * K
-    if KD_T:
-        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
-    else:
-        kd += t0 * sg + i_hv * K
-    qg += t0 * sg + i_hv * K
-    U += t0 * sv + i_hv * V
     Aqk += t0 * sa + i_hv * BT
     Tm += t0 * sa + i_hv * BT
 
@@ -252,7 +243,63 @@ def chunk_kda_fwd_kernel_intra(
     tl.debug_barrier()                                  # every thread has read D
     tl.store(Tm + p_a, b_tm, mask=m_t[:, None])
 
-    # ---- W, kd, qg over K-blocks and U over V-blocks, from the whole Tm [BT, BT]
+
+@triton.autotune(
+    configs=autotune_configs([
+        triton.Config({"BK": 32}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BK": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BK": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BK": 32}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 32}, num_warps=8, num_stages=2),
+    ]),
+    key=["K", "V", "USE_L2NORM", "PREC", "TUNE_SIZE"],
+)
+@triton.jit
+def chunk_kda_fwd_kernel_wu(
+    q, k, v, gam, beta_act, Tm,              # [B,T,H,K] x2, [B,T,HV,V], [B,T,HV,K], [B,T,HV], [B,T,HV,BT] (fp32 but q k v)
+    W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
+                                             #   [NT_total,HV,K,BT], [B,T,HV,K] (bf16 in a bf16 forward, else fp32)
+    cu_seqlens, chunk_indices, scale, T, N, H, HV, TUNE_SIZE,
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, KD_T: tl.constexpr,
+):
+    """W, U, kd and qg of one (chunk, value head) from Tm, stored by chunk_kda_fwd_kernel_intra: grid
+    (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer registers than the
+    Aqk / inverse kernel, so more programs share an SM."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
+    t0 = bos + i_c * BT
+    if t0 >= eos:
+        return
+    Tc = tl.minimum(eos - t0, BT)
+    f_scale = tl.cast(scale, tl.float32)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < Tc
+    sq = H * K
+    sg = HV * K
+    sv = HV * V
+    sa = HV * BT
+    q += t0 * sq + i_h * K
+    k += t0 * sq + i_h * K
+    v += t0 * sv + i_hv * V
+    gam += t0 * sg + i_hv * K
+    W += t0 * sg + i_hv * K
+    if KD_T:
+        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
+    else:
+        kd += t0 * sg + i_hv * K
+    qg += t0 * sg + i_hv * K
+    U += t0 * sv + i_hv * V
+    Tm += t0 * sa + i_hv * BT
+    b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
+    b_rq = l2norm_rscale(q, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    # [BT, BT]
+    b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0)
+    # W, kd, qg over K-blocks and U over V-blocks
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -345,17 +392,25 @@ def chunk_kda_fwd_intra(
         kdt=torch.empty(layout.NT_total, HV, K, BT, dtype=wdt, device=dev) if kd_t else None,
     )
     grid = (layout.NT_total, HV)
+    size = tune_size(B * T, HV)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
-        q, k, v, g, beta, absent(A_log, q), absent(dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm, out.W, out.U, out.kdt if kd_t else out.kd, out.qg,
+        q, k, g, beta, absent(A_log, q), absent(dt_bias, q),
+        out.gam, out.beta, out.Aqk, out.Tm,
         absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
-        H, HV, tune_size(B * T, HV), K=K, V=V, BT=BT, BC=BC, BV=min(64, triton.next_power_of_2(V)),
+        H, HV, size, K=K, BT=BT, BC=BC,
         USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
         USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
-        LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16, KD_T=kd_t,
+        LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
+    )
+    torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[grid](
+        q, k, v, out.gam, out.beta, out.Tm,
+        out.W, out.U, out.kdt if kd_t else out.kd, out.qg,
+        absent(cu_seqlens, q), absent(layout.chunk_indices, q), float(scale), T, layout.N, H, HV, size,
+        K=K, V=V, BT=BT, BV=min(64, triton.next_power_of_2(V)),
+        USE_L2NORM=use_qk_l2norm, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype), KD_T=kd_t,
     )
     return out
