@@ -257,7 +257,7 @@ def chunk_kda_fwd_kernel_intra(
 )
 @triton.jit
 def chunk_kda_fwd_kernel_wu(
-    q, k, v, gam, beta_act, Tm,              # [B,T,H,K] x2, [B,T,HV,V], [B,T,HV,K], [B,T,HV], [B,T,HV,BT]: fp32 but q k v
+    q, k, v, gam, beta_act, Tm,              # [B,T,H,K] x2, [B,T,HV,V]; fp32 [B,T,HV,K], [B,T,HV], [B,T,HV,BT]
     W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
                                              #   [NT_total,HV,K,BT], [B,T,HV,K] (bf16 in a bf16 forward, else fp32)
     cu_seqlens, chunk_indices, scale, T, N, H, HV, TUNE_SIZE,
