@@ -123,7 +123,7 @@ def test_chunk_kernels_autotune_per_size_class():
     timed on the first call's shape, e.g. a test's, was reused for every shape after it)."""
     from kda_ops.kernels import chunk_bwd, intra, intra_bwd, state, state_bwd
 
-    for kernel in (intra.chunk_kda_fwd_kernel_intra, state.chunk_kda_fwd_kernel_state,
+    for kernel in (intra.chunk_kda_fwd_kernel_intra, intra.chunk_kda_fwd_kernel_wu, state.chunk_kda_fwd_kernel_state,
                    state_bwd.chunk_kda_bwd_kernel_state, chunk_bwd.chunk_kda_bwd_kernel_inter,
                    intra_bwd.chunk_kda_bwd_kernel_intra):
         assert "TUNE_SIZE" in kernel.keys, kernel.fn.__name__
