@@ -176,7 +176,7 @@ def chunk_kda_fwd_kernel_intra(
                 b_x = b_gm[None, :] - b_g
                 b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, SPAN))
                 b_kc = tl.where((o_t < r0 + BC)[:, None], b_k * tl.exp2(b_x), 0.0)
-                b_kc = tl.trans(b_kc).to(DOT_DT)
+                b_kc = tl.trans(b_kc.to(DOT_DT))
                 # [BT, BK] @ [BK, BT] -> [BT, BT] (rows of block r only)
                 b_aqk += tl.dot(tl.where(m_r[:, None], b_qe, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
                 b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
@@ -200,7 +200,7 @@ def chunk_kda_fwd_kernel_intra(
                 # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r), exp2(gam_ref - gam_j) <= 1 (j < r0)
                 b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
                 b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
-                b_kc = tl.trans(b_kc).to(DOT_DT)
+                b_kc = tl.trans(b_kc.to(DOT_DT))
                 # [BT, BK] @ [BK, BT] -> [BT, BT]
                 b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
                 b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
