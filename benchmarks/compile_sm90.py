@@ -52,7 +52,8 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     sig = dict(zip(names, types))
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
-             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32')
+             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
+             INV_PREC='ieee' if dt=='fp32' else 'tf32x3')
     c.update(flags)
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_intra, sig, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
