@@ -145,7 +145,7 @@ def time_bwd_stages(x, D):
     from kda_ops.kernels.chunk_bwd import chunk_kda_bwd_inter
     from kda_ops.kernels.intra import chunk_kda_fwd_intra
     from kda_ops.kernels.intra_bwd import chunk_kda_bwd_intra
-    from kda_ops.kernels.prep_bwd import chunk_kda_bwd_qk, chunk_kda_bwd_rnorm
+    from kda_ops.kernels.prep_bwd import chunk_kda_bwd_qk
     from kda_ops.kernels.state import chunk_kda_fwd_state
     from kda_ops.kernels.state_bwd import chunk_kda_bwd_state
     q, k, v, g, beta = (x[n].detach() for n in ("q", "k", "v", "g", "beta"))
@@ -166,8 +166,7 @@ def time_bwd_stages(x, D):
                                        False, None)
     dh, dvn, _ = f_sb()
     out["bwd_stage_state_bwd_ms"] = bench(f_sb)
-    rq, rk = chunk_kda_bwd_rnorm(q, k)
-    out["bwd_stage_rnorm_ms"] = bench(lambda: chunk_kda_bwd_rnorm(q, k))
+    rq, rk = intra.rq, intra.rk
     f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm, intra.W,  # noqa: E731
                                        intra.U, st.h, st.vn, do, dh, dvn, None, scale)
     dq, dk, dgam, dv, dAqk, dM, dbeta_p = f_in()

@@ -19,7 +19,7 @@ from torch import Tensor
 from .chunk_bwd import chunk_kda_bwd_inter
 from .intra import chunk_kda_fwd_intra
 from .intra_bwd import chunk_kda_bwd_intra
-from .prep_bwd import chunk_kda_bwd_qk, chunk_kda_bwd_rnorm
+from .prep_bwd import chunk_kda_bwd_qk
 from .state import chunk_kda_fwd_state
 from .state_bwd import chunk_kda_bwd_state
 
@@ -49,12 +49,12 @@ def chunk_kda_bwd_triton(
     st = chunk_kda_fwd_state(intra, initial_state, cu_seqlens, False, v.dtype,
                              store_o=False, store_h=True, store_vn=True)
     gam, beta_act, Aqk, Tm, W, U = intra.gam, intra.beta, intra.Aqk, intra.Tm, intra.W, intra.U
+    rq, rk = intra.rq, intra.rk      # l2norm row factors (None without the l2norm)
     # 1. reverse state pass
     dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, W, gam, Aqk, do, dht, initial_state is not None,
                                        cu_seqlens)
     del intra, Aqk
     # 2. per chunk: through the state and the inverse
-    rq, rk = chunk_kda_bwd_rnorm(q, k) if use_qk_l2norm else (None, None)
     dq, dk, dgam, dv, dAqk, dM, dbeta_p = chunk_kda_bwd_inter(
         q, k, rq, rk, v, gam, beta_act, Tm, W, U, st.h, st.vn, do, dh, dvn, cu_seqlens, scale)
     del st, dh, dvn, Tm, W, U

@@ -89,6 +89,7 @@ def chunk_kda_fwd_kernel_intra(
     q, k, g, beta, A_log, dt_bias,           # [B,T,H,K] x2, [B,T,HV,K], [B,T,HV], [HV], [HV*K]
     gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32; Aqk bf16 in a
                                              #   bf16 forward)
+    rq, rk,                                  # out (USE_L2NORM): [B,T,H] fp32 l2norm row factors
     cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -131,6 +132,10 @@ def chunk_kda_fwd_kernel_intra(
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
     b_rq = l2norm_rscale(q, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
     b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
+        m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
+        tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
+        tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_gam = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
@@ -260,7 +265,8 @@ def chunk_kda_fwd_kernel_intra(
 )
 @triton.jit
 def chunk_kda_fwd_kernel_wu(
-    q, k, v, gam, beta_act, Tm,              # [B,T,H,K] x2, [B,T,HV,V]; fp32 [B,T,HV,K], [B,T,HV], [B,T,HV,BT]
+    q, k, v, gam, beta_act, Tm, rq, rk,      # [B,T,H,K] x2, [B,T,HV,V]; fp32 [B,T,HV,K], [B,T,HV], [B,T,HV,BT],
+                                             #   [B,T,H] x2 (USE_L2NORM)
     W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
                                              #   [NT_total,HV,K,BT], [B,T,HV,K] (bf16 in a bf16 forward, else fp32)
     cu_seqlens, chunk_indices, scale, T, N, H, HV, TUNE_SIZE,
@@ -298,8 +304,13 @@ def chunk_kda_fwd_kernel_wu(
     U += t0 * sv + i_hv * V
     Tm += t0 * sa + i_hv * BT
     b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
-    b_rq = l2norm_rscale(q, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
-    b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    # [BT] l2norm row factors, from chunk_kda_fwd_kernel_intra
+    if USE_L2NORM:
+        b_rq = tl.load(rq + (t0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_rk = tl.load(rk + (t0 + o_t) * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_rq = tl.full([BT], 1.0, dtype=tl.float32)
+        b_rk = tl.full([BT], 1.0, dtype=tl.float32)
     # [BT, BT]
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0)
     # W, kd, qg over K-blocks and U over V-blocks
@@ -350,6 +361,7 @@ class IntraOut(NamedTuple):
     * kdt [NT_total,HV,K,BT] bf16 (lowp with bf16 inputs; kd is None): kd^T, one [K, BT] block per (chunk,
       value head), chunk c of sequence n at n * cdiv(T, BT) + c, or chunk_offsets[n] + c for varlen (the
       layout of the per-chunk states); columns past a sequence's end are zeros.
+    rq, rk [B,T,H] fp32: the l2norm row factors 1 / sqrt(|x|^2 + eps) of q and k (use_qk_l2norm; else None).
     """
     gam: torch.Tensor
     beta: torch.Tensor
@@ -360,6 +372,8 @@ class IntraOut(NamedTuple):
     kd: Optional[torch.Tensor]
     qg: torch.Tensor
     kdt: Optional[torch.Tensor] = None
+    rq: Optional[torch.Tensor] = None
+    rk: Optional[torch.Tensor] = None
 
 
 def chunk_kda_fwd_intra(
@@ -393,12 +407,14 @@ def chunk_kda_fwd_intra(
         kd=None if kd_t else torch.empty(B, T, HV, K, dtype=f32, device=dev),
         qg=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
         kdt=torch.empty(layout.NT_total, HV, K, BT, dtype=wdt, device=dev) if kd_t else None,
+        rq=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
+        rk=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
     )
     grid = (layout.NT_total, HV)
     size = tune_size(B * T, HV)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
         q, k, g, beta, absent(A_log, q), absent(dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm,
+        out.gam, out.beta, out.Aqk, out.Tm, absent(out.rq, q), absent(out.rk, q),
         absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
         H, HV, size, K=K, BT=BT, BC=BC,
@@ -411,7 +427,7 @@ def chunk_kda_fwd_intra(
         INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3",
     )
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[grid](
-        q, k, v, out.gam, out.beta, out.Tm,
+        q, k, v, out.gam, out.beta, out.Tm, absent(out.rq, q), absent(out.rk, q),
         out.W, out.U, out.kdt if kd_t else out.kd, out.qg,
         absent(cu_seqlens, q), absent(layout.chunk_indices, q), float(scale), T, layout.N, H, HV, size,
         K=K, V=V, BT=BT, BV=min(64, triton.next_power_of_2(V)),

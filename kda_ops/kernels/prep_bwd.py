@@ -1,4 +1,4 @@
-"""Backward stage 4: q/k gradients back through the pre-processing (and the l2norm row factors it needs).
+"""Backward stage 4: q/k gradients back through the pre-processing.
 
 Sums the per-value-head gradients over the G = HV // H value heads that share a q/k head (grouped-value
 attention), then, with the l2norm in the op, y = x r, r = (|x|^2 + eps)^-1/2: dx = r (dy - y <y, dy>).
@@ -12,25 +12,6 @@ import triton.language as tl
 # eps of the l2norm, x / sqrt(sum(x^2) + eps): the same constant as kda_ops.reference.L2NORM_EPS
 # (kernels do not import the reference).
 L2NORM_EPS = 1e-6
-
-
-@triton.jit
-def chunk_kda_bwd_kernel_rnorm(
-    q, k,                   # [B*T, H, K]
-    rq, rk,                 # out fp32 [B*T, H]: 1 / sqrt(|x|^2 + eps)
-    n_rows, eps,
-    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-):
-    """Grid (cdiv(B * T * H, BT),): one row of K values per (token, head)."""
-    o_r = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m = (o_r < n_rows)[:, None] & (o_k < K)[None, :]
-    f_eps = tl.cast(eps, tl.float32)
-    # [BT, BK]
-    b_q = tl.load(q + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-    b_k = tl.load(k + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(rq + o_r, tl.rsqrt(tl.sum(b_q * b_q, 1) + f_eps), mask=o_r < n_rows)
-    tl.store(rk + o_r, tl.rsqrt(tl.sum(b_k * b_k, 1) + f_eps), mask=o_r < n_rows)
 
 
 @triton.jit
@@ -68,19 +49,6 @@ def chunk_kda_bwd_kernel_qk(
     f_eps = tl.cast(eps, tl.float32)
     gva_l2norm_bwd(dq_hv, q, dq, o_t, m_t, i_h, H, HV, K, BT, BK, USE_L2NORM, f_eps)
     gva_l2norm_bwd(dk_hv, k, dk, o_t, m_t, i_h, H, HV, K, BT, BK, USE_L2NORM, f_eps)
-
-
-def chunk_kda_bwd_rnorm(q: torch.Tensor, k: torch.Tensor):
-    """l2norm row factors of q, k [B, T, H, K]: (rq, rk) fp32 [B, T, H]."""
-    B, T, H, K = q.shape
-    rq = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-    rk = torch.empty_like(rq)
-    BK = max(16, triton.next_power_of_2(K))
-    BT = max(16, 8192 // BK)     # 64 rows of 128: fewer, larger programs for this bandwidth-bound pass
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_rnorm)[(triton.cdiv(B * T * H, BT),)](
-        q, k, rq, rk, B * T * H, L2NORM_EPS, K=K, BT=BT, BK=BK, num_warps=4,
-    )
-    return rq, rk
 
 
 def chunk_kda_bwd_qk(dq_hv: torch.Tensor, dk_hv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
