@@ -47,26 +47,26 @@ def comp(jf, sig, consts, num_warps, num_stages, tag):
 def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
     wdt = wdt or dt
-    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
+    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','rq','rk','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + ['*fp32']*2 + [f'*{wdt}']*2 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
-             INV_PREC='ieee' if dt=='fp32' else 'tf32x3')
+             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16')
     c.update(flags)
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_intra, sig, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
 
 
 def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
-    """The W / U / kd / qg kernel. wdt as for intra (bf16: kd^T per chunk (KD_T))."""
+    """The W / U kernel. wdt as for intra."""
     wdt = wdt or dt
-    names = ['q','k','v','gam','beta_act','Tm','W','U','kd','qg','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*3 + ['*fp32']*3 + [f'*{wdt}']*4 + ['*i32','*i32','fp32','i32','i32','i32','i32','i32']
+    names = ['k','v','gam','beta_act','Tm','rk','W','U','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*2 + ['*fp32']*4 + [f'*{wdt}']*2 + ['*i32','*i32','i32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_L2NORM=True, IS_VARLEN=False,
-             PREC='ieee' if dt=='fp32' else 'tf32', KD_T=wdt == 'bf16')
+             PREC='ieee' if dt=='fp32' else 'tf32')
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_wu, sig, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
 

@@ -1,8 +1,8 @@
 """Stage 2 of the forward: everything inside one chunk that does not depend on the state.
 
 Two launches, each one program per (chunk, value head). The first (chunk_kda_fwd_kernel_intra, with
-prepare.py's helpers fused in) computes gam, beta, Aqk, L and Tm; the second (chunk_kda_fwd_kernel_wu)
-computes W, U, kd and qg from the stored Tm. The first needs ~240 registers per thread in every phase (two
+prepare.py's helpers fused in) computes gam, beta, Aqk, L, Tm, and kd and qg (from the q, k and gam tiles it
+loads anyway); the second (chunk_kda_fwd_kernel_wu) computes W and U from the stored Tm. The first needs ~240 registers per thread in every phase (two
 programs per SM at 4 warps); the second needs far fewer, so it runs more programs per SM.
 
     gam      [BT, K]   in-chunk cumsum of the activated log decay, log2 units (stored: the kernel re-reads it)
@@ -90,15 +90,17 @@ def chunk_kda_fwd_kernel_intra(
     gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32; Aqk bf16 in a
                                              #   bf16 forward)
     rq, rk,                                  # out (USE_L2NORM): [B,T,H] fp32 l2norm row factors
+    kd, qg,                                  # out: [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K]
+                                             #   (bf16 in a bf16 forward, else fp32)
     cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
-    INV_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr, KD_T: tl.constexpr,
 ):
-    """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk and Tm; W, U, kd and qg follow
+    """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd and qg; W and U follow
     from Tm in chunk_kda_fwd_kernel_wu."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -126,6 +128,11 @@ def chunk_kda_fwd_kernel_intra(
     gam += t0 * sg + i_hv * K
     Aqk += t0 * sa + i_hv * BT
     Tm += t0 * sa + i_hv * BT
+    qg += t0 * sg + i_hv * K
+    if KD_T:
+        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
+    else:
+        kd += t0 * sg + i_hv * K
 
     # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below)
     b_beta = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
@@ -161,6 +168,17 @@ def chunk_kda_fwd_kernel_intra(
         b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+        # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
+        b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
+        o_tk = o_t[:, None] * sg + o_k[None, :]
+        tl.store(qg + o_tk, (b_q * (f_scale * b_rq)[:, None] * tl.exp2(b_g)).to(qg.dtype.element_ty), mask=m_tk)
+        b_kd = (b_k * b_rk[:, None] * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)
+        if KD_T:
+            # into the [BK, BT] block of kd^T; rows past Tc are zeros (k loaded as 0 there) and stored too:
+            # the state pass reads the block without a token mask
+            tl.store(kd + o_t[:, None] + o_k[None, :] * BT, b_kd, mask=m_k[None, :])
+        else:
+            tl.store(kd + o_tk, b_kd, mask=m_tk)
         # Fast path: every block (diagonal ones included) by tensor-core dots factored around the middle row
         # m_r of its row block, when all |gam_i - gam_m(i)| <= SPAN in this K-block: the row factors
         # exp2(gam_i - gam_m) and the own-block column factors exp2(gam_m - gam_j) then stay in
@@ -265,16 +283,15 @@ def chunk_kda_fwd_kernel_intra(
 )
 @triton.jit
 def chunk_kda_fwd_kernel_wu(
-    q, k, v, gam, beta_act, Tm, rq, rk,      # [B,T,H,K] x2, [B,T,HV,V]; fp32 [B,T,HV,K], [B,T,HV], [B,T,HV,BT],
-                                             #   [B,T,H] x2 (USE_L2NORM)
-    W, U, kd, qg,                            # out: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
-                                             #   [NT_total,HV,K,BT], [B,T,HV,K] (bf16 in a bf16 forward, else fp32)
-    cu_seqlens, chunk_indices, scale, T, N, H, HV, TUNE_SIZE,
+    k, v, gam, beta_act, Tm, rk,             # [B,T,H,K], [B,T,HV,V]; fp32 [B,T,HV,K], [B,T,HV], [B,T,HV,BT],
+                                             #   [B,T,H] (USE_L2NORM)
+    W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (bf16 in a bf16 forward, else fp32)
+    cu_seqlens, chunk_indices, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, KD_T: tl.constexpr,
+    USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """W, U, kd and qg of one (chunk, value head) from Tm, stored by chunk_kda_fwd_kernel_intra: grid
+    """W and U of one (chunk, value head) from Tm, stored by chunk_kda_fwd_kernel_intra: grid
     (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer registers than the
     Aqk / inverse kernel, so more programs share an SM."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
@@ -284,61 +301,37 @@ def chunk_kda_fwd_kernel_wu(
     if t0 >= eos:
         return
     Tc = tl.minimum(eos - t0, BT)
-    f_scale = tl.cast(scale, tl.float32)
     o_t = tl.arange(0, BT)
     m_t = o_t < Tc
     sq = H * K
     sg = HV * K
     sv = HV * V
     sa = HV * BT
-    q += t0 * sq + i_h * K
     k += t0 * sq + i_h * K
     v += t0 * sv + i_hv * V
     gam += t0 * sg + i_hv * K
     W += t0 * sg + i_hv * K
-    if KD_T:
-        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
-    else:
-        kd += t0 * sg + i_hv * K
-    qg += t0 * sg + i_hv * K
     U += t0 * sv + i_hv * V
     Tm += t0 * sa + i_hv * BT
     b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
-    # [BT] l2norm row factors, from chunk_kda_fwd_kernel_intra
+    # [BT] the keys' l2norm factors, from chunk_kda_fwd_kernel_intra
     if USE_L2NORM:
-        b_rq = tl.load(rq + (t0 + o_t) * H + i_h, mask=m_t, other=0.0)
         b_rk = tl.load(rk + (t0 + o_t) * H + i_h, mask=m_t, other=0.0)
     else:
-        b_rq = tl.full([BT], 1.0, dtype=tl.float32)
         b_rk = tl.full([BT], 1.0, dtype=tl.float32)
     # [BT, BT]
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0)
-    # W, kd, qg over K-blocks and U over V-blocks
+    # W over K-blocks and U over V-blocks
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
         # [BT, BK]
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = b_k * b_rk[:, None]
-        b_q = b_q * (f_scale * b_rq)[:, None]
-        # [BK] gam of the chunk's last valid row
-        b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)
-        b_eg = tl.exp2(b_g)
+        b_k = b_k * (b_rk * b_beta)[:, None] * tl.exp2(b_g)
         # [BT, BT] @ [BT, BK] -> [BT, BK]
-        b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None], input_precision=PREC)
-        o_tk = o_t[:, None] * sg + o_k[None, :]
-        tl.store(W + o_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
-        b_kd = (b_k * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)  # [BT, BK]
-        if KD_T:
-            # into the [BK, BT] block of kd^T; rows past Tc are zeros (k loaded as 0 there) and stored too:
-            # the state pass reads the block without a token mask
-            tl.store(kd + o_t[:, None] + o_k[None, :] * BT, b_kd, mask=m_k[None, :])
-        else:
-            tl.store(kd + o_tk, b_kd, mask=m_tk)
-        tl.store(qg + o_tk, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_tk)
+        b_w = tl.dot(b_tm, b_k, input_precision=PREC)
+        tl.store(W + o_t[:, None] * sg + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
@@ -414,7 +407,8 @@ def chunk_kda_fwd_intra(
     size = tune_size(B * T, HV)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
         q, k, g, beta, absent(A_log, q), absent(dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm, absent(out.rq, q), absent(out.rk, q),
+        out.gam, out.beta, out.Aqk, out.Tm, absent(out.rq, q), absent(out.rk, q), out.kdt if kd_t else out.kd,
+        out.qg,
         absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
         H, HV, size, K=K, BT=BT, BC=BC,
@@ -424,13 +418,12 @@ def chunk_kda_fwd_intra(
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
-        INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3",
+        INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t,
     )
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[grid](
-        q, k, v, out.gam, out.beta, out.Tm, absent(out.rq, q), absent(out.rk, q),
-        out.W, out.U, out.kdt if kd_t else out.kd, out.qg,
-        absent(cu_seqlens, q), absent(layout.chunk_indices, q), float(scale), T, layout.N, H, HV, size,
+        k, v, out.gam, out.beta, out.Tm, absent(out.rk, q), out.W, out.U,
+        absent(cu_seqlens, q), absent(layout.chunk_indices, q), T, layout.N, H, HV, size,
         K=K, V=V, BT=BT, BV=min(64, triton.next_power_of_2(V)),
-        USE_L2NORM=use_qk_l2norm, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype), KD_T=kd_t,
+        USE_L2NORM=use_qk_l2norm, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
     )
     return out
