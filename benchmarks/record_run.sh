@@ -1,0 +1,41 @@
+#!/bin/bash
+# The recording call of a session on the lent GPU machine: the same-run comparison with FLA at the two headline
+# shapes, then GPU tests, then what time is left for the six-shape forward table and per-kernel times.
+#
+#   bash benchmarks/record_run.sh       (repo root; carry .wheels and .triton_cache)
+#
+# Every step has its own limit and everything stops END seconds (default 520) after the start, so a step that
+# runs long costs only the steps after it. Knobs: CONFIGS (-k of tests/test_gpu_configs.py), TESTS (pytest paths
+# of the first-config GPU tests), END.
+set -o pipefail
+OUT=$(realpath "${OUT:-out}"); mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
+device_setup
+export PYTHONPATH=/tmp/site:$PWD
+T0=$(date +%s)
+left() { echo $(( ${END:-520} - ($(date +%s) - T0) )); }
+lim() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+step() { echo "== $1 (+$(( $(date +%s) - T0 ))s)"; }
+show() { grep -v "^\s*File\|^\s*\^\|[Ww]arn" "$1" | tail -"${2:-8}"; }
+S="1,8192,32,128 4,4096,32,128"
+
+step "fwd, two rounds"
+timeout "$(lim 130)" python3 benchmarks/bench_kda.py --mode fwd --rounds 2 --shapes $S --out "$OUT" > "$OUT/bench_fwd.log" 2>&1
+show "$OUT/bench_fwd.log"
+step fwdbwd
+timeout "$(lim 160)" python3 benchmarks/bench_kda.py --mode fwdbwd --shapes $S --out "$OUT" > "$OUT/bench_fwdbwd.log" 2>&1
+show "$OUT/bench_fwdbwd.log"
+step "gpu tests: ${TESTS:=tests/test_gpu_model.py}"
+KDA_OPS_AUTOTUNE=0 timeout "$(lim 200)" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS > "$OUT/gpu_tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -8
+step "configs: ${CONFIGS:=fwd_kernel_intra or fwd_kernel_wu}"
+timeout "$(lim 120)" python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_configs.py -k "$CONFIGS" > "$OUT/configs.log" 2>&1
+grep -E "FAIL|passed|failed" "$OUT/configs.log" | tail -8
+step "kernel times, fwd (4, 4096, 32, 128)"
+timeout "$(lim 60)" python3 benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 > "$OUT/kernel_times_fwd.log" 2>&1
+show "$OUT/kernel_times_fwd.log" 30
+step "fwd, six shapes"
+timeout "$(left)" python3 benchmarks/bench_kda.py --mode fwd --out "$OUT" > "$OUT/bench_fwd6.log" 2>&1
+show "$OUT/bench_fwd6.log" 14
+step done
+device_pack results
