@@ -1,4 +1,4 @@
-"""The op-level forward launcher: pre-processing + intra-chunk (one launch), state pass + output (one launch)."""
+"""The op-level forward launcher: pre-processing + intra-chunk (two launches), state pass + output (one launch)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
