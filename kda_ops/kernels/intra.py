@@ -1,9 +1,10 @@
 """Stage 2 of the forward: everything inside one chunk that does not depend on the state.
 
 Two launches, each one program per (chunk, value head). The first (chunk_kda_fwd_kernel_intra, with
-prepare.py's helpers fused in) computes gam, beta, Aqk, L, Tm, and kd and qg (from the q, k and gam tiles it
-loads anyway); the second (chunk_kda_fwd_kernel_wu) computes W and U from the stored Tm. The first needs ~240 registers per thread in every phase (two
-programs per SM at 4 warps); the second needs far fewer, so it runs more programs per SM.
+prepare.py's helpers fused in) computes gam, beta, Aqk, L and Tm, and kd and qg from the q, k and gam tiles it
+loads anyway; the second (chunk_kda_fwd_kernel_wu) computes W and U from the stored Tm. The first needs ~240
+registers per thread in every phase (two programs per SM at 4 warps); the second needs far fewer, so it runs
+more programs per SM.
 
     gam      [BT, K]   in-chunk cumsum of the activated log decay, log2 units (stored: the kernel re-reads it)
     Aqk      [BT, BT]  scale * sum_d q_i k_j exp2(gam_i - gam_j), j <= i
@@ -24,8 +25,8 @@ Per K-block, one of two paths, chosen in the kernel from the data (no host sync)
 * exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the diagonal 16x16 blocks
   per token pair (a loop over the 16 columns of the block, all four blocks at once), the off-diagonal
   blocks by dots factored around the first row of the row block (both factors <= 1).
-The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (forward substitution in
-fp32 on a [4, 16, 16] tile), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
+The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
+[4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked in the Tm output before Tm overwrites
 them. All of this is fp32 (the inverse merges and the W, U dots in tf32).
 Storage, two modes (``lowp``, see IntraOut):
