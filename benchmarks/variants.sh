@@ -2,7 +2,8 @@
 # Several versions of the kernels side by side in ONE device call (kda_ops only, autotuned, same GPU state).
 #
 #   here:        bash benchmarks/variants.sh prepare NAME=REV ...   e.g. main=main v5=next/fwd-intra-v5
-#                (git archive of kda_ops/, tests/ and benchmarks/bench_kda.py of each REV into .variants/NAME,
+#                (git archive of kda_ops/, tests/, benchmarks/bench_kda.py and accuracy_gate_grads.py of each REV
+#                 into .variants/NAME,
 #                 git-ignored: carry ".variants" and ".wheels")
 #   on the GPU:  OUT=$OUT bash benchmarks/variants.sh run NAME:MODE ...   e.g. main:fwd v5:fwd main:fwdbwd
 #                knobs: SHAPES (bench_kda --shapes, default the two headline shapes), BENCH_TIMEOUT (s per run,
@@ -16,7 +17,8 @@ if [ "$cmd" = prepare ]; then
   for spec in "$@"; do
     name=${spec%%=*}; rev=${spec#*=}
     rm -rf ".variants/$name" && mkdir -p ".variants/$name"
-    git archive "$rev" kda_ops tests benchmarks/bench_kda.py | tar x -C ".variants/$name" || exit 1
+    git archive "$rev" kda_ops tests benchmarks/bench_kda.py benchmarks/accuracy_gate_grads.py \
+      | tar x -C ".variants/$name" || exit 1
     echo "$name: $(git rev-parse --short "$rev") $rev" | tee ".variants/$name/REV"
   done
   exit 0
