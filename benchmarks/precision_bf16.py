@@ -8,6 +8,8 @@ The chunked forward of kda_ops.reference (fp64) is run once exactly and once wit
 (round to nearest, as the GPU stores it) before the state pass uses it; printed: relative RMS error of the
 output and the final state against the exact run. 'S' and 'Vn' round the state and the new values where
 they enter a dot (S and Vn themselves stay exact, as the kernel keeps them in fp32).
+'Tm' computes W and U as bf16 dots (Tm, beta k exp(gam) and beta v rounded first), as FLA does: measured
+2026-11-29, o 2.38e-3 -> 2.90e-3 with every other rounding of the bf16 forward on.
 (The Triton interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest: biased, about twice
 these errors in the interpreter tests.) Case: tests/kda_case.Case with the gate, l2norm and beta
 sigmoid in the op, T = 1024, K = V = 128, bf16 inputs, an initial state.
@@ -32,12 +34,18 @@ def main():
     x = R._Intra(p["q"], p["k"], p["v"], p["g"], p["beta"], c.K ** -0.5)
     scale = c.K ** -0.5
 
+    bf = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    # 'Tm': W and U as bf16 dots, Tm and the right operands (beta k exp(gam), beta v) rounded to bf16 first
+    w_lp = bf(x.tm) @ bf(x.beta[..., None] * x.kg)
+    u_lp = bf(x.tm) @ bf(x.beta[..., None] * x.v)
+
     def forward(rounded):
         """o and the final state with the named tensors rounded to bf16 ('S', 'Vn': as dot operands)."""
-        r = lambda name, t: t.to(torch.bfloat16).double() if name in rounded else t  # noqa: E731
+        r = lambda name, t: bf(t) if name in rounded else t  # noqa: E731
+        w, u = (w_lp, u_lp) if "Tm" in rounded else (x.w, x.u)
         S, outs = h0, []
         for i in range(x.gam.shape[2]):
-            vn = r("U", x.u[:, :, i]) - r("W", x.w[:, :, i]) @ r("S", S)
+            vn = r("U", u[:, :, i]) - r("W", w[:, :, i]) @ r("S", S)
             outs.append(scale * r("qg", x.qg[:, :, i]) @ r("S", S) + r("Aqk", x.aqk[:, :, i]) @ r("Vn", vn))
             S = x.eg_last[:, :, i, :, None] * S + r("kd", x.kd[:, :, i]).transpose(-1, -2) @ r("Vn", vn)
         return torch.stack(outs, 2), S
@@ -47,7 +55,8 @@ def main():
     for rounded in [("U",), ("Aqk",), ("kd",), ("W",), ("qg",), ("S",), ("Vn",), ("W", "qg", "S"),
                     ("U", "Aqk", "kd", "W", "qg", "S"),
                     ("Aqk", "kd", "W", "qg", "S", "Vn"),               # every dot bf16, U kept fp32
-                    ("U", "Aqk", "kd", "W", "qg", "S", "Vn")]:         # the bf16 forward (lowp)
+                    ("U", "Aqk", "kd", "W", "qg", "S", "Vn"),          # the bf16 forward (lowp)
+                    ("Tm",), ("Tm", "U", "Aqk", "kd", "W", "qg", "S", "Vn")]:   # + W, U as bf16 dots
         o1, s1 = forward(rounded)
         print(f"{', '.join(rounded):<24} {rel_rms(o1, o0):>10.2e} {rel_rms(s1, s0):>14.2e}")
 
