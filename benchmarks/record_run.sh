@@ -6,7 +6,8 @@
 #
 # Every step has its own limit and everything stops END seconds (default 520) after the start, so a step that
 # runs long costs only the steps after it. Knobs: CONFIGS (-k of tests/test_gpu_configs.py), TESTS (pytest paths
-# of the first-config GPU tests), END.
+# of the first-config GPU tests), SIX (modes of the six-shape tables, default "fwd"; "fwd fwdbwd" for both),
+# END.
 set -o pipefail
 OUT=$(realpath "${OUT:-out}"); mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -34,8 +35,10 @@ grep -E "FAIL|passed|failed" "$OUT/configs.log" | tail -8
 step "kernel times, fwd (4, 4096, 32, 128)"
 timeout "$(lim 60)" python3 benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 > "$OUT/kernel_times_fwd.log" 2>&1
 show "$OUT/kernel_times_fwd.log" 30
-step "fwd, six shapes"
-timeout "$(left)" python3 benchmarks/bench_kda.py --mode fwd --out "$OUT" > "$OUT/bench_fwd6.log" 2>&1
-show "$OUT/bench_fwd6.log" 14
+for mode in ${SIX:-fwd}; do
+  step "$mode, six shapes"
+  timeout "$(left)" python3 benchmarks/bench_kda.py --mode "$mode" --out "$OUT" > "$OUT/bench_${mode}6.log" 2>&1
+  show "$OUT/bench_${mode}6.log" 14
+done
 step done
 device_pack results
