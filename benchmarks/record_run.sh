@@ -14,7 +14,8 @@ source "$(dirname "$0")/device_env.sh"
 device_setup
 export PYTHONPATH=/tmp/site:$PWD
 T0=$(date +%s)
-left() { echo $(( ${END:-520} - ($(date +%s) - T0) )); }
+# seconds to the deadline, at least 1 (timeout 0 would mean no limit)
+left() { local l=$(( ${END:-520} - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; echo "$l"; }
 lim() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 step() { echo "== $1 (+$(( $(date +%s) - T0 ))s)"; }
 show() { grep -v "^\s*File\|^\s*\^\|[Ww]arn" "$1" | tail -"${2:-8}"; }

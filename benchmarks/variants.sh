@@ -29,6 +29,8 @@ source "$(dirname "$0")/device_env.sh"
 device_setup
 cat .variants/*/REV | tee -a "$OUT/gpu.txt"
 T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
+# seconds to END, at least 1 (timeout 0 would mean no limit, and the results would not be packed)
+left() { local l=$(( ${END:-540} - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; echo "$l"; }
 for spec in "$@"; do
   v=${spec%%:*}; mode=${spec#*:}
   echo "== $v $mode $(el)"
@@ -40,7 +42,7 @@ done
 if [ -n "$TESTV" ]; then
   echo "== tests $TESTV $(el)"
   (cd ".variants/$TESTV" && PYTHONPATH=/tmp/site:$PWD KDA_OPS_AUTOTUNE=0 \
-     timeout $(( ${END:-540} - ($(date +%s) - T0) )) python3 -m pytest -q -p no:cacheprovider -m gpu \
+     timeout $(left) python3 -m pytest -q -p no:cacheprovider -m gpu \
      ${TESTS:-tests/test_gpu_fwd.py tests/test_gpu_bwd.py} > "$OUT/tests_$TESTV.log" 2>&1)
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_$TESTV.log" | cut -c1-400 | tail -20
 fi
