@@ -7,7 +7,7 @@
 #                 git-ignored: carry ".variants" and ".wheels")
 #   on the GPU:  OUT=$OUT bash benchmarks/variants.sh run NAME:MODE ...   e.g. main:fwd v5:fwd main:fwdbwd
 #                knobs: SHAPES (bench_kda --shapes, default the two headline shapes), BENCH_TIMEOUT (s per run,
-#                default 90), TESTV (a variant whose GPU tests run after the benchmarks, first configs, until
+#                default 90; runs stop at END too), TESTV (a variant whose GPU tests run after the benchmarks, first configs, until
 #                END seconds after the start, default 540), TESTS (pytest paths for TESTV).
 # Each run writes its log and JSON under $OUT/NAME; the last lines of every log are printed. The per-stage
 # times of --stages move by up to ~0.3 ms from call to call for the same code: compare totals.
@@ -34,7 +34,9 @@ left() { local l=$(( ${END:-540} - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1;
 for spec in "$@"; do
   v=${spec%%:*}; mode=${spec#*:}
   echo "== $v $mode $(el)"
-  (cd ".variants/$v" && PYTHONPATH=/tmp/site:$PWD timeout "${BENCH_TIMEOUT:-90}" python3 benchmarks/bench_kda.py \
+  t=$(left); [ "$t" -gt "${BENCH_TIMEOUT:-90}" ] && t=${BENCH_TIMEOUT:-90}
+  [ "$t" -le 5 ] && { echo "skipped: END reached"; continue; }
+  (cd ".variants/$v" && PYTHONPATH=/tmp/site:$PWD timeout "$t" python3 benchmarks/bench_kda.py \
      --mode "$mode" --stages --providers kda_ops --shapes ${SHAPES:-1,8192,32,128 4,4096,32,128} \
      --out "$OUT/$v" > "$OUT/${v}_$mode.log" 2>&1)
   grep -v "^\s*File\|^\s*\^" "$OUT/${v}_$mode.log" | tail -6
