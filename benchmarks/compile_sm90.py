@@ -1,6 +1,9 @@
-"""Offline sm_90 (H100 / H200) compile of the forward kernels, no GPU needed: registers, spills, shared memory.
+"""Offline sm_90 (H100 / H200) compile of the chunk kernels, no GPU needed: registers, spills, shared memory.
 
-    PYTHONPATH=<site-packages with triton 3.6> python benchmarks/compile_sm90.py [intra] [state]
+    PYTHONPATH=<site-packages with triton 3.6> python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter]
+
+(state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
+config; `inter` also at BK = 32, the block size its launcher does not pick today.)
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -20,7 +23,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kda_ops.kernels.intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_wu  # noqa: E402
+from kda_ops.kernels.chunk_bwd import chunk_kda_bwd_kernel_inter  # noqa: E402
 from kda_ops.kernels.state import chunk_kda_fwd_kernel_state  # noqa: E402
+from kda_ops.kernels.state_bwd import chunk_kda_bwd_kernel_state  # noqa: E402
 
 OUT = tempfile.mkdtemp(prefix="kda_sm90_")
 target = GPUTarget("cuda", 90, 32)
@@ -84,6 +89,31 @@ def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
     comp(chunk_kda_fwd_kernel_state, sig, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
 
 
+def state_bwd(wdt='fp32', K=128, BV=32, w=8, s=1):
+    """The reverse state pass; wdt: dtype of qg, kd, W, Aqk (fp32: the backward's recompute on main)."""
+    names = ['qg','kd','W','gam','Aqk','do','dht','dh','dvn','dh0','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
+    types = [f'*{wdt}']*3 + ['*fp32', f'*{wdt}', '*bf16', '*fp32', '*bf16', '*bf16', '*fp32', '*i32', '*i32', 'i32', 'i32', 'i32']
+    sig = dict(zip(names, types))
+    c = dict(K=K, V=K, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_DHT=True, STORE_DH0=True,
+             IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
+    if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names:   # branches whose state_bwd reads kd^T blocks
+        c['KD_T'] = wdt == 'bf16'
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_bwd_kernel_state, sig, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
+
+
+def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
+    """The backward's inter kernel; wdt: dtype of W and U (fp32: the recompute on main)."""
+    names = ['q','k','rq','rk','v','gam','beta','Tm','W','U','h','vn','do','dh','dvn','dq','dk','dgam','dv','dAqk',
+             'dM','dbeta','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
+    types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*3 + [f'*{wdt}']*2 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
+             + ['*fp32']*3 + ['*i32']*2 + ['fp32'] + ['i32']*5)
+    sig = dict(zip(names, types))
+    c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_bwd_kernel_inter, sig, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
+
+
 def configs(kernel):
     """(BV, num_warps, num_stages) of every autotune config of the state kernel (KDA_OPS_AUTOTUNE must not be 0)."""
     return [(cf.kwargs['BV'], cf.num_warps, cf.num_stages) for cf in kernel.configs]
@@ -97,11 +127,23 @@ if __name__ == '__main__':
             for K in (128, 256, 100):
                 wu(K=K, V=K, BK=BK, w=w, s=st)
             wu(wdt='fp32', BK=BK, w=w, s=st)
+    if 'state_bwd' in what:
+        for K in (128, 100, 256):
+            for (BV, w, s) in configs(chunk_kda_bwd_kernel_state):
+                for wdt in ('fp32', 'bf16') if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names else ('fp32',):
+                    state_bwd(wdt, K=K, BV=BV, w=w, s=s)
+    if 'inter' in what:
+        for BK in (64, 32):
+            for (BV, w, s) in configs(chunk_kda_bwd_kernel_inter):
+                inter(BK=BK, BV=BV, w=w, s=s)
     if 'state' in what:
         for K in (128, 256, 64, 100):
             for (BV, w, s) in configs(chunk_kda_fwd_kernel_state):
                 state(K=K, V=K, BV=BV, w=w, s=s)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=1)
+        # the same pass on the forward's bf16 storage (branch next/bwd-lowp-recompute's backward)
+        state(wdt='bf16', STORE_O=False, STORE_H=True, STORE_VN=True, s=1)
+        state(wdt='bf16', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=16, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=2)
