@@ -52,8 +52,8 @@ def comp(jf, sig, consts, num_warps, num_stages, tag):
 def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
     wdt = wdt or dt
-    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','rq','rk','kd','qg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}', '*fp32'] + ['*fp32']*2 + [f'*{wdt}']*2 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
+    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','scr','rq','rk','kd','qg','kbg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}']*2 + ['*fp32']*3 + [f'*{wdt}']*3 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
@@ -67,11 +67,11 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
 def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
     """The W / U kernel. wdt as for intra."""
     wdt = wdt or dt
-    names = ['k','v','gam','beta_act','Tm','rk','W','U','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*2 + ['*fp32']*4 + [f'*{wdt}']*2 + ['*i32','*i32','i32','i32','i32','i32','i32']
+    names = ['v','beta_act','Tm','kbg','W','U','cu_seqlens','chunk_indices','T','N','HV','TUNE_SIZE']
+    types = [f'*{dt}', '*fp32'] + [f'*{wdt}']*4 + ['*i32','*i32','i32','i32','i32','i32']
     sig = dict(zip(names, types))
-    c = dict(K=K, V=V, BT=64, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_L2NORM=True, IS_VARLEN=False,
-             PREC='ieee' if dt=='fp32' else 'tf32')
+    c = dict(K=K, V=V, BT=64, BK=BK, BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=False,
+             PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=wdt == 'bf16')
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_fwd_kernel_wu, sig, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
 

@@ -27,11 +27,13 @@ Per K-block, one of two paths, chosen in the kernel from the data (no host sync)
   blocks by dots factored around the first row of the row block (both factors <= 1).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
-X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked in the Tm output before Tm overwrites
-them. All of this is fp32 (the inverse merges and the W, U dots in tf32).
+X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
+of Tm's shape. All of this is fp32 (the inverse merges in tf32); the W, U dots are bf16 in the bf16 forward
+(below), tf32 otherwise.
 Storage, two modes (``lowp``, see IntraOut):
-* forward (``lowp`` and bf16 inputs): W, qg, U, Aqk and kd in bf16, so that every dot of the state pass is a
-  bf16 dot; kd goes out transposed, one [K, BT] block per (chunk, value head) (``kdt``), so the state pass
+* forward (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam) in bf16, so that W and U
+  are bf16 dots (o 2.38e-3 -> 2.90e-3 relative RMS in benchmarks/precision_bf16.py); W, qg, U, Aqk and kd
+  in bf16, so that every dot of the state pass is a bf16 dot; kd goes out transposed, one [K, BT] block per (chunk, value head) (``kdt``), so the state pass
   loads kd^T as a plain row-major tile. Rounding U, Aqk, kd, W, qg and the dot operands S and Vn to bf16
   together costs ~2.4e-3 relative RMS on the output and on the final state vs fp64 (U, Aqk or Vn alone
   ~1.6e-3, since U - W S cancels; kd alone ~1.7e-3 on the state; W, qg and S together ~3e-4:
@@ -88,10 +90,10 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
 @triton.jit
 def chunk_kda_fwd_kernel_intra(
     q, k, g, beta, A_log, dt_bias,           # [B,T,H,K] x2, [B,T,HV,K], [B,T,HV], [HV], [HV*K]
-    gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32; Aqk bf16 in a
-                                             #   bf16 forward)
+    gam, beta_act, Aqk, Tm, scr,             # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x3 (fp32; Aqk, Tm bf16 in a
+                                             #   bf16 forward; scr: fp32 scratch for L and D)
     rq, rk,                                  # out (USE_L2NORM): [B,T,H] fp32 l2norm row factors
-    kd, qg,                                  # out: [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K]
+    kd, qg, kbg,                             # out: [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K] x2
                                              #   (bf16 in a bf16 forward, else fp32)
     cu_seqlens, chunk_indices, scale, lower_bound, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr,
@@ -101,8 +103,8 @@ def chunk_kda_fwd_kernel_intra(
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
     INV_PREC: tl.constexpr, KD_T: tl.constexpr,
 ):
-    """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd and qg; W and U follow
-    from Tm in chunk_kda_fwd_kernel_wu."""
+    """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
+    follow from Tm and kbg in chunk_kda_fwd_kernel_wu."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -129,7 +131,9 @@ def chunk_kda_fwd_kernel_intra(
     gam += t0 * sg + i_hv * K
     Aqk += t0 * sa + i_hv * BT
     Tm += t0 * sa + i_hv * BT
+    scr += t0 * sa + i_hv * BT
     qg += t0 * sg + i_hv * K
+    kbg += t0 * sg + i_hv * K
     if KD_T:
         kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
     else:
@@ -173,6 +177,8 @@ def chunk_kda_fwd_kernel_intra(
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
         o_tk = o_t[:, None] * sg + o_k[None, :]
         tl.store(qg + o_tk, (b_q * (f_scale * b_rq)[:, None] * tl.exp2(b_g)).to(qg.dtype.element_ty), mask=m_tk)
+        # W's right operand: beta k exp2(gam)
+        tl.store(kbg + o_tk, (b_k * (b_beta * b_rk)[:, None] * tl.exp2(b_g)).to(kbg.dtype.element_ty), mask=m_tk)
         b_kd = (b_k * b_rk[:, None] * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)
         if KD_T:
             # into the [BK, BT] block of kd^T; rows past Tc are zeros (k loaded as 0 there) and stored too:
@@ -231,12 +237,12 @@ def chunk_kda_fwd_kernel_intra(
                 b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
     b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
     b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
-    # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the Tm output (scratch)
+    # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
     b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
     b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
     p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
     tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
-    tl.store(Tm + p_a, b_akk, mask=m_t[:, None])
+    tl.store(scr + p_a, b_akk, mask=m_t[:, None])
     tl.debug_barrier()
 
     # ---- Tm = (I + L)^-1. With Ld the diagonal 16x16 blocks of L, Lo the rest and D = (I + Ld)^-1:
@@ -251,24 +257,23 @@ def chunk_kda_fwd_kernel_intra(
     o_c3 = o_b[:, None, None] * BC + o_c[None, None, :]                  # [NB, 1, BC] column in the chunk
     p_d3 = o_r3 * sa + o_c3                                              # [NB, BC, BC]
     m_d3 = (o_r3 < Tc) & (o_c3 < BT)                                    # [NB, BC, BC] valid rows
-    b_ld = tl.load(Tm + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
+    b_ld = tl.load(scr + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
     b_d = tl.where(o_c[None, :, None] == o_c[None, None, :], 1.0, 0.0) - b_ld    # [NB, BC, BC] I - Ld
     b_n = b_ld
     for _ in range(3):
         b_n = tl.dot(b_n, b_n, input_precision=INV_PREC)                # Ld^2, Ld^4, Ld^8
         b_d += tl.dot(b_d, b_n, input_precision=INV_PREC)
     tl.debug_barrier()                                  # every thread has read Ld
-    tl.store(Tm + p_d3, b_d, mask=m_d3)
+    tl.store(scr + p_d3, b_d, mask=m_d3)
     tl.debug_barrier()
     m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                # [BT, BT] same diagonal block
-    b_dd = tl.load(Tm + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
+    b_dd = tl.load(scr + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
     # [BT, BT] @ [BT, BT] -> [BT, BT]
     b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
     b_tm = b_dd
     for _ in range(BT // BC - 1):
         b_tm = b_dd - tl.dot(b_m, b_tm, input_precision=PREC)
-    tl.debug_barrier()                                  # every thread has read D
-    tl.store(Tm + p_a, b_tm, mask=m_t[:, None])
+    tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
 
 
 @triton.autotune(
@@ -280,73 +285,68 @@ def chunk_kda_fwd_kernel_intra(
         triton.Config({"BK": 32}, num_warps=8, num_stages=1),
         triton.Config({"BK": 32}, num_warps=8, num_stages=2),
     ]),
-    key=["K", "V", "USE_L2NORM", "PREC", "TUNE_SIZE"],
+    key=["K", "V", "PREC", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_wu(
-    k, v, gam, beta_act, Tm, rk,             # [B,T,H,K], [B,T,HV,V]; fp32 [B,T,HV,K], [B,T,HV], [B,T,HV,BT],
-                                             #   [B,T,H] (USE_L2NORM)
-    W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (bf16 in a bf16 forward, else fp32)
-    cu_seqlens, chunk_indices, T, N, H, HV, TUNE_SIZE,
+    v, beta_act, Tm, kbg,                    # [B,T,HV,V]; fp32 [B,T,HV]; [B,T,HV,BT], [B,T,HV,K]
+    W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (Tm, kbg, W, U bf16 in a bf16 forward,
+                                             #   else fp32)
+    cu_seqlens, chunk_indices, T, N, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
 ):
-    """W and U of one (chunk, value head) from Tm, stored by chunk_kda_fwd_kernel_intra: grid
-    (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer registers than the
-    Aqk / inverse kernel, so more programs share an SM."""
+    """W = Tm kbg and U = Tm diag(beta) v of one (chunk, value head), from chunk_kda_fwd_kernel_intra's Tm and
+    kbg: grid (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer
+    registers than the Aqk / inverse kernel, so more programs share an SM. In a bf16 forward both are bf16
+    dots (benchmarks/precision_bf16.py, row 'Tm': o 2.38e-3 -> 2.90e-3)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
     t0 = bos + i_c * BT
     if t0 >= eos:
         return
     Tc = tl.minimum(eos - t0, BT)
+    if LOWP_DOT:
+        DOT_DT = W.dtype.element_ty
+    else:
+        DOT_DT = tl.float32
     o_t = tl.arange(0, BT)
     m_t = o_t < Tc
-    sq = H * K
     sg = HV * K
     sv = HV * V
     sa = HV * BT
-    k += t0 * sq + i_h * K
     v += t0 * sv + i_hv * V
-    gam += t0 * sg + i_hv * K
+    kbg += t0 * sg + i_hv * K
     W += t0 * sg + i_hv * K
     U += t0 * sv + i_hv * V
     Tm += t0 * sa + i_hv * BT
     b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
-    # [BT] the keys' l2norm factors, from chunk_kda_fwd_kernel_intra
-    if USE_L2NORM:
-        b_rk = tl.load(rk + (t0 + o_t) * H + i_h, mask=m_t, other=0.0)
-    else:
-        b_rk = tl.full([BT], 1.0, dtype=tl.float32)
     # [BT, BT]
-    b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
     # W over K-blocks and U over V-blocks
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        # [BT, BK]
-        b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = b_k * (b_rk * b_beta)[:, None] * tl.exp2(b_g)
+        p_tk = o_t[:, None] * sg + o_k[None, :]
         # [BT, BT] @ [BT, BK] -> [BT, BK]
-        b_w = tl.dot(b_tm, b_k, input_precision=PREC)
-        tl.store(W + o_t[:, None] * sg + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m_tk)
+        b_w = tl.dot(b_tm, tl.load(kbg + p_tk, mask=m_tk, other=0.0).to(DOT_DT), input_precision=PREC)
+        tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         # [BT, BV]
         b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         # [BT, BT] @ [BT, BV] -> [BT, BV]
-        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
+        b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
         tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
 
 
 class IntraOut(NamedTuple):
     """What :func:`chunk_kda_fwd_intra` stores (token-major like the inputs unless said; BT = 64).
 
-    Always fp32: gam [B,T,HV,K] log2 units; beta [B,T,HV] activated; Tm [B,T,HV,BT] (I + L)^-1.
+    Always fp32: gam [B,T,HV,K] log2 units; beta [B,T,HV] activated. Tm [B,T,HV,BT] (I + L)^-1: fp32, or bf16
+    when built with lowp from bf16 inputs.
     Aqk [B,T,HV,BT] (row i of a chunk at its token, column j = position in the chunk, scale included, zero
     for j > i); W [B,T,HV,K]; U [B,T,HV,V]; qg [B,T,HV,K] = scale q exp2(gam): fp32, or bf16 when built with
     lowp from bf16 inputs (q, k l2-normalised when use_qk_l2norm).
@@ -395,7 +395,7 @@ def chunk_kda_fwd_intra(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         beta=torch.empty(B, T, HV, dtype=f32, device=dev),
         Aqk=torch.empty(B, T, HV, BT, dtype=wdt, device=dev),
-        Tm=torch.empty(B, T, HV, BT, dtype=f32, device=dev),
+        Tm=torch.empty(B, T, HV, BT, dtype=wdt, device=dev),
         W=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
         U=torch.empty(B, T, HV, V, dtype=wdt, device=dev),
         kd=None if kd_t else torch.empty(B, T, HV, K, dtype=f32, device=dev),
@@ -404,12 +404,15 @@ def chunk_kda_fwd_intra(
         rq=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
         rk=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
     )
+    # transient: the scratch of the inverse, and W's right operand beta k exp2(gam)
+    scr = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
+    kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
     grid = (layout.NT_total, HV)
     size = tune_size(B * T, HV)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
         q, k, g, beta, absent(A_log, q), absent(dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm, absent(out.rq, q), absent(out.rk, q), out.kdt if kd_t else out.kd,
-        out.qg,
+        out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
+        out.kdt if kd_t else out.kd, out.qg, kbg,
         absent(cu_seqlens, q), absent(layout.chunk_indices, q),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
         H, HV, size, K=K, BT=BT, BC=BC,
@@ -422,9 +425,9 @@ def chunk_kda_fwd_intra(
         INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t,
     )
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[grid](
-        k, v, out.gam, out.beta, out.Tm, absent(out.rk, q), out.W, out.U,
-        absent(cu_seqlens, q), absent(layout.chunk_indices, q), T, layout.N, H, HV, size,
+        v, out.beta, out.Tm, kbg, out.W, out.U,
+        absent(cu_seqlens, q), absent(layout.chunk_indices, q), T, layout.N, HV, size,
         K=K, V=V, BT=BT, BV=min(64, triton.next_power_of_2(V)),
-        USE_L2NORM=use_qk_l2norm, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype), LOWP_DOT=kd_t and lowp_dot(v.dtype),
     )
     return out
