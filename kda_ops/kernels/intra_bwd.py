@@ -95,59 +95,67 @@ def chunk_kda_bwd_kernel_intra(
 
     o_t = tl.arange(0, BT)          # position in the chunk
     m_t = o_t < Tc
-    o_i = r0 + tl.arange(0, BC)     # the rows of block r
+    o_c = tl.arange(0, BC)
+    o_i = r0 + o_c                  # the rows of block r
     m_i = o_i < Tc
+    NC = tl.cdiv(Tc, BC)
     # the test's reference rows: the middle row of each row's block; block r's references (scalars)
     o_m = tl.minimum((o_t // BC) * BC + BC // 2, Tc - 1)
     rm = tl.minimum(r0 + BC // 2, Tc - 1)
     rl = tl.minimum(r0 + BC - 1, Tc - 1)
-    # [BT]
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     # [BC]
     b_bi = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
     b_db = tl.zeros([BC], dtype=tl.float32)
-    # [BC, BT] the dots' left operands for every K-block, masked here (whatever stage 2 stored above the
-    # diagonal): rows i of block r of P = dAqk (j <= i) and dM (j < i), and columns j of block r, transposed
-    # (element (c, i) = P[i, r0 + c] for i >= r0 + c, dM[i, r0 + c] for i > r0 + c)
-    p_row = o_i[:, None] * sa + o_t[None, :]
-    p_col = o_t[None, :] * sa + o_i[:, None]
-    b_p = tl.load(dAqk + p_row, mask=m_i[:, None] & (o_t[None, :] <= o_i[:, None]), other=0.0)
-    b_m = tl.load(dM + p_row, mask=m_i[:, None] & (o_t[None, :] < o_i[:, None]), other=0.0)
-    b_pt = tl.load(dAqk + p_col, mask=m_t[None, :] & (o_t[None, :] >= o_i[:, None]), other=0.0)
-    b_mt = tl.load(dM + p_col, mask=m_t[None, :] & (o_t[None, :] > o_i[:, None]), other=0.0)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = o_i[:, None] * sg + o_k[None, :]
-        # [BT, BK] the whole chunk
-        b_k = load_rows(k, rk, o_t, m_t, o_k, m_k, sq, H, USE_L2NORM)
-        b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         # the test: largest |gam_i - gam_m(i)| in this K-block over the chunk (rows past Tc give zero)
-        b_span = tl.max(tl.max(tl.abs(b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
+        b_span = tl.max(tl.max(tl.abs(tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) -
+                                      tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
                                axis=1), axis=0)
         fast = b_span <= SPAN
         # [BK] gam at block r's reference rows: a for the row direction, b for the column direction
         b_ga = tl.load(gam + tl.where(fast, rm, r0) * sg + o_k, mask=m_k, other=0.0)
         b_gb = tl.load(gam + tl.where(fast, rm, rl) * sg + o_k, mask=m_k, other=0.0)
-        # row direction (rows i of block r): columns j < r0 (+ block r itself when fast), column factors
-        # exp2(gam_a - gam_j) clamped at <= 0 for the earlier columns, at <= SPAN in block r, zero after
-        b_x0 = b_ga[None, :] - b_g
-        b_kc = tl.exp2(tl.where((o_t < r0)[:, None], tl.minimum(b_x0, 0.0), tl.minimum(b_x0, SPAN)))
-        b_kc = tl.where((o_t < r0 + tl.where(fast, BC, 0))[:, None], b_k * b_kc, 0.0)
-        # [BC, BT] @ [BT, BK] -> [BC, BK], twice
-        b_dqa = tl.dot(b_p, b_kc, input_precision=PREC)
-        b_x = tl.dot(b_m, b_kc, input_precision=PREC)
-        # column direction (columns j of block r): rows i >= r0 + 16 (+ block r itself when fast), row factors
-        # exp2(gam_i - gam_b) clamped at <= SPAN in block r, at <= 0 for the later rows, zero before
-        b_y0 = b_g - b_gb[None, :]
-        b_er = tl.exp2(tl.where((o_t >= r0 + BC)[:, None], tl.minimum(b_y0, 0.0), tl.minimum(b_y0, SPAN)))
-        b_er = tl.where((o_t >= r0 + tl.where(fast, 0, BC))[:, None], b_er, 0.0)
-        b_q = load_rows(q, rq, o_t, o_t < tl.where(o_t >= r0, Tc, 0), o_k, m_k, sq, H, USE_L2NORM)
-        # [BC, BT] @ [BT, BK] -> [BC, BK], twice into one sum
-        b_dka = tl.dot(b_pt, b_q * b_er, input_precision=PREC)
-        b_dka += tl.dot(b_mt, (b_k * b_beta[:, None]) * b_er, input_precision=PREC)
+        # [BC, BK] accumulators, before the factors of block r's own rows
+        b_dqa = tl.zeros([BC, BK], dtype=tl.float32)
+        b_x = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dka = tl.zeros([BC, BK], dtype=tl.float32)
+        # row direction (rows i of block r): the column blocks j < r (+ block r itself when fast), column
+        # factors exp2(gam_a - gam_j) clamped at <= 0 for the earlier blocks, at <= SPAN in block r
+        for i_j in range(0, i_r + tl.where(fast, 1, 0)):
+            o_j = i_j * BC + o_c
+            m_j = o_j < Tc
+            b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
+            b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM)
+            b_kj *= tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, SPAN)))
+            # [BC, BC] P[i, j] (j <= i) and dM[i, j] (j < i)
+            p_a = o_i[:, None] * sa + o_j[None, :]
+            b_p = tl.load(dAqk + p_a, mask=m_i[:, None] & (o_j[None, :] <= o_i[:, None]), other=0.0)
+            b_m = tl.load(dM + p_a, mask=m_i[:, None] & (o_j[None, :] < o_i[:, None]), other=0.0)
+            # [BC, BC] @ [BC, BK] -> [BC, BK], twice
+            b_dqa += tl.dot(b_p, b_kj, input_precision=PREC)
+            b_x += tl.dot(b_m, b_kj, input_precision=PREC)
+        # column direction (columns j of block r): the row blocks i > r (+ block r itself when fast), row
+        # factors exp2(gam_i - gam_b) clamped at <= SPAN in block r, at <= 0 for the later blocks
+        for i_j in range(i_r + tl.where(fast, 0, 1), NC):
+            o_j = i_j * BC + o_c
+            m_j = o_j < Tc
+            b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
+            b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, SPAN)))
+            b_qj = load_rows(q, rq, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * b_ej
+            b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0.0).to(tl.float32)
+            b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * (b_bj[:, None] * b_ej)
+            # [BC, BC] P[j, i] (j >= i) and dM[j, i] (j > i), loaded transposed: rows i of block r
+            p_a = o_j[None, :] * sa + o_i[:, None]
+            b_p = tl.load(dAqk + p_a, mask=m_j[None, :] & (o_j[None, :] >= o_i[:, None]), other=0.0)
+            b_m = tl.load(dM + p_a, mask=m_j[None, :] & (o_j[None, :] > o_i[:, None]), other=0.0)
+            # [BC, BC] @ [BC, BK] -> [BC, BK], twice into one sum
+            b_dka += tl.dot(b_p, b_qj, input_precision=PREC)
+            b_dka += tl.dot(b_m, b_kj, input_precision=PREC)
         # [BC, BK] the own-block factors exp2(gam_i - gam_a) (row side) and exp2(gam_b - gam_j) (column side):
         # in [2^-SPAN, 2^SPAN] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
         b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
