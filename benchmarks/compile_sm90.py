@@ -98,15 +98,15 @@ def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, **flags):
 
 
 def gate_bwd(dt='bf16', K=128, w=4, **flags):
-    """The backward cumsum / gate kernel (its launcher's BK and num_warps)."""
+    """The backward cumsum / gate kernel (its launcher's BK and num_warps; lower_bound form with USE_LOWER_BOUND)."""
     names = ['dgam','g_raw','A_log','dt_bias','dg','dA_log_p','ddt_bias_p','cu_seqlens','chunk_indices','lower_bound','T','N','HV']
     types = ['*fp32', f'*{dt}', '*fp32', '*fp32', f'*{dt}', '*fp32', '*fp32', '*i32', '*i32', 'fp32', 'i32', 'i32', 'i32']
     sig = dict(zip(names, types))
-    c = dict(K=K, BT=64, BK=min(64, max(16, triton.next_power_of_2(K))), USE_GATE=True, USE_LOWER_BOUND=False,
+    c = dict(K=K, BT=64, BK=min(32, max(16, triton.next_power_of_2(K))), USE_GATE=True, USE_LOWER_BOUND=False,
              HAS_ALOG=True, HAS_BIAS=True, IS_VARLEN=False)
     c.update(flags)
     for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_bwd_kernel_gate, sig, c, w, 1, f"gate_bwd_{dt}_K{K}_w{w}")
+    comp(chunk_kda_bwd_kernel_gate, sig, c, w, 1, f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
 
 
 def configs(kernel):

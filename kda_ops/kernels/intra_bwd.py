@@ -12,16 +12,18 @@ kernels:
 
 1. chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head): grid (NT_total * 4, HV).
    It loops over K-blocks (the decay is elementwise in K) and owns the rows r0..r0+15 of the chunk: the
-   row-direction sums dq_a, X of those rows (P and dM rows r0..r0+15, [16, 64] tiles) and the column-direction
-   sum dk_a of those columns (P[:, r0:r0+16]^T and dM[:, r0:r0+16]^T, loaded transposed as [16, 64] tiles).
-   Each of the four sums is one [16, 64] @ [64, BK] tensor-core dot over the chunk, factored around a
-   reference row of block r. Per K-block one of two cases, chosen in the kernel from the data (no host sync),
-   with the same test (over the whole chunk) and SPAN as the forward (intra.py):
+   row-direction sums dq_a, X of those rows and the column-direction sum dk_a of those columns. Each sum is
+   a loop over the chunk's other 16-row blocks c, one [16, 16] @ [16, BK] tensor-core dot per block, factored
+   around a reference row of block r: row direction over the blocks c <= r (P and dM rows r0..r0+15, columns
+   of block c), column direction over the blocks c >= r (P and dM rows of block c, columns r0..r0+15, loaded
+   transposed: element (a, b) = P[c0 + b, r0 + a]). Per K-block one of two cases, chosen in the kernel from
+   the data (no host sync), with the same test (over the whole chunk) and SPAN as the forward (intra.py):
    * fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the
-     middle row m of block r, and the dots cover the diagonal block too: row side exp2(gam_i - gam_m), column
-     side exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one <= 1;
+     middle row m of block r, and the dots cover the diagonal block c = r too: row side exp2(gam_i - gam_m),
+     column side exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one
+     <= 1;
    * exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the dots cover the earlier
-     columns only, factored around block r's first row (row direction), and the later rows only, factored
+     blocks only, factored around block r's first row (row direction), and the later blocks only, factored
      around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is then
      added exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step s pairs each row of the
      block with the block's s-th row).
@@ -48,10 +50,12 @@ from .intra import SPAN
 @triton.autotune(
     configs=autotune_configs([
         # the first one (the interpreter's) fits every K up to 256 and fp32 inputs
+        # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd), no spills:
+        # 168 (three programs per SM), 126 (one K-block: two programs of 8 warps), 253, 165
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 128}, num_warps=8, num_stages=1),
         triton.Config({"BK": 64}, num_warps=4, num_stages=1),
         triton.Config({"BK": 16}, num_warps=4, num_stages=1),
-        triton.Config({"BK": 64}, num_warps=8, num_stages=1),
     ]),
     key=["K", "PREC", "TUNE_SIZE"],
     restore_value=["dq", "dk", "dgam"],
@@ -316,7 +320,7 @@ def chunk_kda_bwd_intra(
         dgam, g, pick(A_log if has_alog else None), pick(dt_bias if has_bias else None),
         dg, pick(dA_log_p), pick(ddt_bias_p),
         pick(cu_seqlens), pick(layout.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),
-        T, layout.N, HV, K=K, BT=BT, BK=min(64, max(16, triton.next_power_of_2(K))),
+        T, layout.N, HV, K=K, BT=BT, BK=min(32, max(16, triton.next_power_of_2(K))),     # 92 registers
         USE_GATE=use_gate, USE_LOWER_BOUND=lower_bound is not None, HAS_ALOG=has_alog, HAS_BIAS=has_bias,
         IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
