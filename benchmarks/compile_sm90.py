@@ -1,9 +1,9 @@
 """Offline sm_90 (H100 / H200) compile of the chunk kernels, no GPU needed: registers, spills, shared memory.
 
-    PYTHONPATH=<site-packages with triton 3.6> python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter]
+    PYTHONPATH=<site-packages with triton 3.6> python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd]
 
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
-config; `inter` also at BK = 32, the block size its launcher does not pick today.)
+config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.)
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kda_ops.kernels.intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_wu  # noqa: E402
 from kda_ops.kernels.chunk_bwd import chunk_kda_bwd_kernel_inter  # noqa: E402
+from kda_ops.kernels.intra_bwd import chunk_kda_bwd_kernel_gate, chunk_kda_bwd_kernel_intra  # noqa: E402
 from kda_ops.kernels.state import chunk_kda_fwd_kernel_state  # noqa: E402
 from kda_ops.kernels.state_bwd import chunk_kda_bwd_kernel_state  # noqa: E402
 
@@ -112,6 +113,28 @@ def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
     for kk in c: sig[kk] = 'constexpr'
     comp(chunk_kda_bwd_kernel_inter, sig, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
+def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, **flags):
+    """The backward row-block kernel (q, k in dt; gam, dAqk, dM, dq, dk, dgam fp32)."""
+    names = ['q','k','rq','rk','gam','beta','dAqk','dM','beta_raw','dq','dk','dgam','dbeta_p','dbeta','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*2 + ['*fp32']*3 + [f'*{dt}'] + ['*fp32']*2 + [f'*{dt}'] + ['*fp32']*4 + [f'*{dt}'] + ['*i32','*i32','i32','i32','i32','i32','i32']
+    sig = dict(zip(names, types))
+    c = dict(K=K, BT=64, BC=16, BK=BK, USE_L2NORM=True, USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False,
+             PREC='ieee' if dt=='fp32' else 'tf32')
+    c.update(flags)
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_bwd_kernel_intra, sig, c, w, s, f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}")
+
+
+def gate_bwd(dt='bf16', K=128, w=4, **flags):
+    """The backward cumsum / gate kernel (its launcher's BK and num_warps; lower_bound form with USE_LOWER_BOUND)."""
+    names = ['dgam','g_raw','A_log','dt_bias','dg','dA_log_p','ddt_bias_p','cu_seqlens','chunk_indices','lower_bound','T','N','HV']
+    types = ['*fp32', f'*{dt}', '*fp32', '*fp32', f'*{dt}', '*fp32', '*fp32', '*i32', '*i32', 'fp32', 'i32', 'i32', 'i32']
+    sig = dict(zip(names, types))
+    c = dict(K=K, BT=64, BK=min(32, max(16, triton.next_power_of_2(K))), USE_GATE=True, USE_LOWER_BOUND=False,
+             HAS_ALOG=True, HAS_BIAS=True, IS_VARLEN=False)
+    c.update(flags)
+    for kk in c: sig[kk] = 'constexpr'
+    comp(chunk_kda_bwd_kernel_gate, sig, c, w, 1, f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
 
 
 def configs(kernel):
@@ -136,6 +159,11 @@ if __name__ == '__main__':
         for BK in (64, 32):
             for (BV, w, s) in configs(chunk_kda_bwd_kernel_inter):
                 inter(BK=BK, BV=BV, w=w, s=s)
+    if 'intra_bwd' in what:
+        for cf in chunk_kda_bwd_kernel_intra.configs:
+            for dt, K in (('bf16', 128), ('bf16', 256), ('fp32', 128), ('bf16', 80)):
+                intra_bwd(dt, K=K, BK=cf.kwargs['BK'], w=cf.num_warps, s=cf.num_stages)
+        gate_bwd(); gate_bwd(USE_LOWER_BOUND=True); gate_bwd(K=256)
     if 'state' in what:
         for K in (128, 256, 64, 100):
             for (BV, w, s) in configs(chunk_kda_fwd_kernel_state):

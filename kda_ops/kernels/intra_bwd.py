@@ -7,23 +7,32 @@ Aqk[i, j] = scale sum_d q_i k_j exp(Gam_i - Gam_j) (j <= i) and Akk[i, j] = sum_
     X_i    = sum_j dM_ij k_j e_ij            dk_i += beta_i X_i           dbeta_i += <k_i, X_i>
     dGam  += q dq_a + k (beta X - dk_a)
 
-e_ij = exp(Gam_i - Gam_j) is never formed as exp(Gam_i) exp(-Gam_j) over a span that can overflow. One
-program per (chunk, value head) loops over K-blocks (the decay is elementwise in K) and holds the whole chunk
-in [64, BK] tiles. The chunk is cut into four 16-row blocks; for each block r, each of the four sums is one
-M = 64 tensor-core dot over the chunk, factored around a reference row of block r, its output kept on the
-rows (row-direction sums: dq_a, X) or on the columns (the column-direction sum dk_a) of block r.
-Per K-block one of two cases, chosen in the kernel from the data (no host sync), with the same test and SPAN
-as the forward (intra.py):
-* fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the middle
-  row m, and the dots cover the diagonal block too: row side exp2(gam_i - gam_m), column side
-  exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one <= 1;
-* exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the dots cover the earlier
-  columns only, factored around the block's first row (row direction), and the later rows only, factored
-  around its last row (column direction), so both factors are <= 1; the four diagonal 16x16 blocks are then
-  added exactly per token pair, elementwise on [64, BK] tiles in 16 steps (step s pairs each row with the
-  s-th row of its block).
-Then dg = reverse cumsum of dGam over the chunk's rows, and the gate and beta chain rules (per-program partial
-sums for dA_log / ddt_bias).
+e_ij = exp(Gam_i - Gam_j) is never formed as exp(Gam_i) exp(-Gam_j) over a span that can overflow. Two
+kernels:
+
+1. chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head): grid (NT_total * 4, HV).
+   It loops over K-blocks (the decay is elementwise in K) and owns the rows r0..r0+15 of the chunk: the
+   row-direction sums dq_a, X of those rows and the column-direction sum dk_a of those columns. Each sum is
+   a loop over the chunk's other 16-row blocks c, one [16, 16] @ [16, BK] tensor-core dot per block, factored
+   around a reference row of block r: row direction over the blocks c <= r (P and dM rows r0..r0+15, columns
+   of block c), column direction over the blocks c >= r (P and dM rows of block c, columns r0..r0+15, loaded
+   transposed: element (a, b) = P[c0 + b, r0 + a]). Per K-block one of two cases, chosen in the kernel from
+   the data (no host sync), with the same test (over the whole chunk) and SPAN as the forward (intra.py):
+   * fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the
+     middle row m of block r, and the dots cover the diagonal block c = r too: row side exp2(gam_i - gam_m),
+     column side exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one
+     <= 1;
+   * exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the dots cover the earlier
+     blocks only, factored around block r's first row (row direction), and the later blocks only, factored
+     around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is then
+     added exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step s pairs each row of the
+     block with the block's s-th row).
+   It completes dq and dk of its rows in place, writes its rows' dGam (stage 2's dgam plus the terms above)
+   over the dgam buffer, and writes its rows' dbeta (<k_i, X_i> summed over K-blocks, plus stage 2's, through
+   the beta chain rule).
+2. chunk_kda_bwd_kernel_gate, one program per (chunk, value head): dg = reverse cumsum of dGam over the
+   chunk's 64 rows (rows that four programs of kernel 1 wrote), the gate chain rule, and per-program partial
+   sums for dA_log / ddt_bias.
 """
 from __future__ import annotations
 
@@ -40,38 +49,37 @@ from .intra import SPAN
 
 @triton.autotune(
     configs=autotune_configs([
-        triton.Config({"BK": 32}, num_warps=8, num_stages=1),
-        triton.Config({"BK": 16}, num_warps=8, num_stages=1),   # no spills at any K, fp32 inputs included
-        triton.Config({"BK": 16}, num_warps=4, num_stages=1),
-        # two programs per SM: 1.76 ms against 2.00 (BK 16, 4 warps) and 2.33 (BK 32, 8 warps) at (1, 8192, 32,
-        # 128) on the H200 (benchmarks/results/gpu_session_2026-11-29e_H200.md); capping registers at 168 or 128
-        # for three or four programs per SM was slower (spills)
+        # the first one (the interpreter's) fits every K up to 256 and fp32 inputs
+        # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd), no spills:
+        # 168 (three programs per SM), 126 (one K-block: two programs of 8 warps), 253, 165
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),
-        triton.Config({"BK": 64}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 128}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 64}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 16}, num_warps=4, num_stages=1),
     ]),
-    key=["K", "USE_GATE", "PREC", "TUNE_SIZE"],
-    restore_value=["dq", "dk"],
+    key=["K", "PREC", "TUNE_SIZE"],
+    restore_value=["dq", "dk", "dgam"],
 )
 @triton.jit
 def chunk_kda_bwd_kernel_intra(
-    q, k, rq, rk, gam, beta, dAqk, dM, g_raw, beta_raw, A_log, dt_bias,  # inputs
-    dq, dk, dgam, dbeta_p,                     # inputs: stage-2 terms (dq, dk completed in place)
-    dg, dbeta, dA_log_p, ddt_bias_p,           # outputs
-    cu_seqlens, chunk_indices, lower_bound, T, N, H, HV, TUNE_SIZE,
+    q, k, rq, rk, gam, beta, dAqk, dM, beta_raw,  # inputs
+    dq, dk, dgam, dbeta_p,                     # stage-2 terms: dq, dk completed in place, dgam replaced by dGam
+    dbeta,                                     # output
+    cu_seqlens, chunk_indices, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr, HAS_ALOG: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, value head): grid (NT_total, HV). Loops K-blocks, the whole chunk per K-block."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    """One program per (chunk, row block, value head): grid (NT_total * BT // BC, HV). Loops K-blocks."""
+    i_tr, i_hv = tl.program_id(0), tl.program_id(1)
+    i_t, i_r = i_tr // (BT // BC), i_tr % (BT // BC)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
     t0 = bos + i_c * BT
-    if t0 >= eos:
+    r0 = i_r * BC
+    if t0 + r0 >= eos:
         return
     Tc = tl.minimum(eos - t0, BT).to(tl.int32)
-    NC = tl.cdiv(Tc, BC)
     # move every pointer to the chunk's first token once (64-bit), so that the offsets below stay 32-bit
     sq, sg, sa = H * K, HV * K, HV * BT
     q += t0 * sq + i_h * K
@@ -82,8 +90,6 @@ def chunk_kda_bwd_kernel_intra(
     dq += t0 * sg + i_hv * K
     dk += t0 * sg + i_hv * K
     dgam += t0 * sg + i_hv * K
-    dg += t0 * sg + i_hv * K
-    g_raw += t0 * sg + i_hv * K
     dAqk += t0 * sa + i_hv * BT
     dM += t0 * sa + i_hv * BT
     beta += t0 * HV + i_hv
@@ -93,120 +99,158 @@ def chunk_kda_bwd_kernel_intra(
 
     o_t = tl.arange(0, BT)          # position in the chunk
     m_t = o_t < Tc
-    o_f = (o_t // BC) * BC          # first row of each row's block
-    # [BT]
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
+    o_c = tl.arange(0, BC)
+    o_i = r0 + o_c                  # the rows of block r
+    m_i = o_i < Tc
+    NC = tl.cdiv(Tc, BC)
+    # the test's reference rows: the middle row of each row's block; block r's references (scalars)
+    o_m = tl.minimum((o_t // BC) * BC + BC // 2, Tc - 1)
+    rm = tl.minimum(r0 + BC // 2, Tc - 1)
+    rl = tl.minimum(r0 + BC - 1, Tc - 1)
+    # [BC]
+    b_bi = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
+    b_db = tl.zeros([BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_ik = o_i[:, None] * sg + o_k[None, :]
+        # the test: largest |gam_i - gam_m(i)| in this K-block over the chunk (rows past Tc give zero)
+        b_span = tl.max(tl.max(tl.abs(tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) -
+                                      tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
+                               axis=1), axis=0)
+        fast = b_span <= SPAN
+        # [BK] gam at block r's reference rows: a for the row direction, b for the column direction
+        b_ga = tl.load(gam + tl.where(fast, rm, r0) * sg + o_k, mask=m_k, other=0.0)
+        b_gb = tl.load(gam + tl.where(fast, rm, rl) * sg + o_k, mask=m_k, other=0.0)
+        # [BC, BK] accumulators, before the factors of block r's own rows
+        b_dqa = tl.zeros([BC, BK], dtype=tl.float32)
+        b_x = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dka = tl.zeros([BC, BK], dtype=tl.float32)
+        # row direction (rows i of block r): the column blocks j < r (+ block r itself when fast), column
+        # factors exp2(gam_a - gam_j) clamped at <= 0 for the earlier blocks, at <= SPAN in block r
+        for i_j in range(0, i_r + tl.where(fast, 1, 0)):
+            o_j = i_j * BC + o_c
+            m_j = o_j < Tc
+            b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
+            b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM)
+            b_kj *= tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, SPAN)))
+            # [BC, BC] P[i, j] (j <= i) and dM[i, j] (j < i)
+            p_a = o_i[:, None] * sa + o_j[None, :]
+            b_p = tl.load(dAqk + p_a, mask=m_i[:, None] & (o_j[None, :] <= o_i[:, None]), other=0.0)
+            b_m = tl.load(dM + p_a, mask=m_i[:, None] & (o_j[None, :] < o_i[:, None]), other=0.0)
+            # [BC, BC] @ [BC, BK] -> [BC, BK], twice
+            b_dqa += tl.dot(b_p, b_kj, input_precision=PREC)
+            b_x += tl.dot(b_m, b_kj, input_precision=PREC)
+        # column direction (columns j of block r): the row blocks i > r (+ block r itself when fast), row
+        # factors exp2(gam_i - gam_b) clamped at <= SPAN in block r, at <= 0 for the later blocks
+        for i_j in range(i_r + tl.where(fast, 0, 1), NC):
+            o_j = i_j * BC + o_c
+            m_j = o_j < Tc
+            b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
+            b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, SPAN)))
+            b_qj = load_rows(q, rq, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * b_ej
+            b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0.0).to(tl.float32)
+            b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * (b_bj[:, None] * b_ej)
+            # [BC, BC] P[j, i] (j >= i) and dM[j, i] (j > i), loaded transposed: rows i of block r
+            p_a = o_j[None, :] * sa + o_i[:, None]
+            b_p = tl.load(dAqk + p_a, mask=m_j[None, :] & (o_j[None, :] >= o_i[:, None]), other=0.0)
+            b_m = tl.load(dM + p_a, mask=m_j[None, :] & (o_j[None, :] > o_i[:, None]), other=0.0)
+            # [BC, BC] @ [BC, BK] -> [BC, BK], twice into one sum
+            b_dka += tl.dot(b_p, b_qj, input_precision=PREC)
+            b_dka += tl.dot(b_m, b_kj, input_precision=PREC)
+        # [BC, BK] the own-block factors exp2(gam_i - gam_a) (row side) and exp2(gam_b - gam_j) (column side):
+        # in [2^-SPAN, 2^SPAN] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
+        b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
+        b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], SPAN))
+        b_dqa *= b_ea
+        b_x *= b_ea
+        b_dka *= tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN))
+        if b_span > SPAN:
+            # exact diagonal block: step s pairs the rows t of block r with its row u = r0 + s; (t, u) is a
+            # row-direction pair when u <= t, a column-direction pair (u, t) when u >= t
+            for s in range(tl.minimum(BC, Tc - r0)):
+                o_u = tl.full([1], r0 + s, tl.int32)
+                m_u = o_u < Tc
+                # [1, BK] row u
+                b_ku = load_rows(k, rk, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
+                b_qu = load_rows(q, rq, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
+                b_d = b_gi - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_u[:, None] & m_k[None, :],
+                                     other=0.0)
+                # [BC] P[t, u], dM[t, u] (u <= t), P[u, t], beta_u dM[u, t] (u >= t)
+                b_ptu = tl.load(dAqk + o_i * sa + o_u, mask=m_i & (o_u <= o_i), other=0.0)
+                b_mtu = tl.load(dM + o_i * sa + o_u, mask=m_i & (o_u < o_i), other=0.0)
+                b_put = tl.load(dAqk + o_u * sa + o_i, mask=m_u & (o_u >= o_i), other=0.0)
+                b_mut = tl.load(dM + o_u * sa + o_i, mask=m_u & (o_u > o_i), other=0.0)
+                b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
+                # [BC, BK] e(t, u) = exp2(gam_t - gam_u) and e(u, t), each clamped at <= 0 (<= 1 where used)
+                b_etu = tl.exp2(tl.minimum(b_d, 0.0))
+                b_eut = tl.exp2(tl.minimum(-b_d, 0.0))
+                b_dqa += b_ptu[:, None] * b_ku * b_etu
+                b_x += b_mtu[:, None] * b_ku * b_etu
+                b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_eut
+
+        # [BC, BK] combine with the stage-2 terms of block r's rows
+        b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+        b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+        b_dkai = b_bi[:, None] * b_x
+        tl.store(dq + p_ik, tl.load(dq + p_ik, mask=m_ik, other=0.0) + b_dqa, mask=m_ik)
+        tl.store(dk + p_ik, tl.load(dk + p_ik, mask=m_ik, other=0.0) + b_dka + b_dkai, mask=m_ik)
+        b_dgam = tl.load(dgam + p_ik, mask=m_ik, other=0.0) + b_qi * b_dqa + b_ki * (b_dkai - b_dka)
+        tl.store(dgam + p_ik, b_dgam, mask=m_ik)
+        # dbeta_i += <k_i, X_i>
+        b_db += tl.sum(b_ki * b_x, 1)
+
+    # [BC]
+    b_db += tl.load(dbeta_p + o_i * HV, mask=m_i, other=0.0)
+    if USE_BETA_SIGMOID:
+        b_s = tl.sigmoid(tl.load(beta_raw + o_i * HV, mask=m_i, other=0.0).to(tl.float32))
+        b_db = b_db * b_s * (1.0 - b_s)
+        if ALLOW_NEG_EIGVAL:
+            b_db = 2.0 * b_db
+    tl.store(dbeta + o_i * HV, b_db.to(dbeta.dtype.element_ty), mask=m_i)
+
+
+@triton.jit
+def chunk_kda_bwd_kernel_gate(
+    dgam, g_raw, A_log, dt_bias,               # inputs (dgam: dGam from chunk_kda_bwd_kernel_intra)
+    dg, dA_log_p, ddt_bias_p,                  # outputs
+    cu_seqlens, chunk_indices, lower_bound, T, N, HV,
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_ALOG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """One program per (chunk, value head): grid (NT_total, HV). dg = reverse cumsum of dGam, the gate chain rule."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
+    t0 = bos + i_c * BT
+    if t0 >= eos:
+        return
+    Tc = tl.minimum(eos - t0, BT).to(tl.int32)
+    sg = HV * K
+    dgam += t0 * sg + i_hv * K
+    dg += t0 * sg + i_hv * K
+    g_raw += t0 * sg + i_hv * K
+
+    o_t = tl.arange(0, BT)
+    m_t = o_t < Tc
     b_dalog = tl.zeros([BK], dtype=tl.float32)
     b_a = 1.0
     if USE_GATE:
         if HAS_ALOG:
             b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    # [BT, BT] P = dAqk (causal) and dM (strictly lower), rows i and columns j, loaded once (the dots' operands
-    # for every K-block): masked here, whatever stage 2 stored above the diagonal
-    p_a = o_t[:, None] * sa + o_t[None, :]
-    b_p = tl.load(dAqk + p_a, mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
-    b_m = tl.load(dM + p_a, mask=m_t[:, None] & (o_t[None, :] < o_t[:, None]), other=0.0)
-    b_pt = tl.trans(b_p)
-    b_mt = tl.trans(b_m)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = o_t[:, None] * sg + o_k[None, :]
-        # [BT, BK] the whole chunk
-        b_q = load_rows(q, rq, o_t, m_t, o_k, m_k, sq, H, USE_L2NORM)
-        b_k = load_rows(k, rk, o_t, m_t, o_k, m_k, sq, H, USE_L2NORM)
-        b_kb = b_k * b_beta[:, None]
-        b_g = tl.load(gam + p_tk, mask=m_tk, other=0.0)
-        # the test: largest |gam_i - gam_m(i)| in this K-block (rows past Tc give zero)
-        o_m = tl.minimum(o_f + BC // 2, Tc - 1)
-        b_span = tl.max(tl.max(tl.abs(b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
-                               axis=1), axis=0)
-        fast = b_span <= SPAN
-        # [BT] reference rows of each row's block: a for the row direction, b for the column direction
-        o_a = tl.where(fast, o_m, o_f)
-        o_b = tl.where(fast, o_m, tl.minimum(o_f + BC - 1, Tc - 1))
-        # [BT, BK] accumulators, before the factors of each row's own block
-        b_dqa = tl.zeros([BT, BK], dtype=tl.float32)
-        b_x = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dka = tl.zeros([BT, BK], dtype=tl.float32)
-        for i_r in range(NC):
-            r0 = i_r * BC
-            m_r = ((o_t >= r0) & (o_t < r0 + BC))[:, None]                       # [BT, 1] block r
-            # row direction (rows i of block r): columns j < r0 (+ block r itself when fast), column factors
-            # exp2(gam_a - gam_j) clamped at <= 0 for the earlier columns, at <= SPAN in block r, zero after
-            ra = tl.where(fast, tl.minimum(r0 + BC // 2, Tc - 1), r0)
-            b_x0 = tl.load(gam + ra * sg + o_k, mask=m_k, other=0.0)[None, :] - b_g  # [BT, BK]
-            b_kc = tl.exp2(tl.where((o_t < r0)[:, None], tl.minimum(b_x0, 0.0), tl.minimum(b_x0, SPAN)))
-            b_kc = tl.where((o_t < r0 + tl.where(fast, BC, 0))[:, None], b_k * b_kc, 0.0)
-            # [BT, BT] @ [BT, BK] -> [BT, BK], twice; kept on the rows of block r
-            b_dqa += tl.where(m_r, tl.dot(b_p, b_kc, input_precision=PREC), 0.0)
-            b_x += tl.where(m_r, tl.dot(b_m, b_kc, input_precision=PREC), 0.0)
-            # column direction (columns j of block r): rows i >= r0 + 16 (+ block r itself when fast), row
-            # factors exp2(gam_i - gam_b) clamped at <= SPAN in block r, at <= 0 for the later rows, zero before
-            rb = tl.where(fast, tl.minimum(r0 + BC // 2, Tc - 1), tl.minimum(r0 + BC - 1, Tc - 1))
-            b_y0 = b_g - tl.load(gam + rb * sg + o_k, mask=m_k, other=0.0)[None, :]  # [BT, BK]
-            b_er = tl.exp2(tl.where((o_t >= r0 + BC)[:, None], tl.minimum(b_y0, 0.0), tl.minimum(b_y0, SPAN)))
-            b_er = tl.where((o_t >= r0 + tl.where(fast, 0, BC))[:, None], b_er, 0.0)
-            # [BT, BT]^T @ [BT, BK] -> [BT, BK], twice into one sum; kept on the columns of block r
-            b_dka += tl.where(m_r, tl.dot(b_pt, b_q * b_er, input_precision=PREC), 0.0)
-            b_dka += tl.where(m_r, tl.dot(b_mt, b_kb * b_er, input_precision=PREC), 0.0)
-        # the own-block factors exp2(gam_i - gam_a(i)) (row side) and exp2(gam_b(j) - gam_j) (column side):
-        # in [2^-SPAN, 2^SPAN] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
-        b_ea = tl.exp2(tl.minimum(b_g - tl.load(gam + o_a[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0),
-                                  SPAN))
-        b_eb = tl.exp2(tl.minimum(tl.load(gam + o_b[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) - b_g,
-                                  SPAN))
-        b_dqa *= b_ea
-        b_x *= b_ea
-        b_dka *= b_eb
-        if b_span > SPAN:
-            # exact diagonal blocks: step s pairs row t with u = the s-th row of t's block, all rows at once;
-            # (t, u) is a row-direction pair when u <= t, a column-direction pair (u, t) when u >= t
-            b_dqd = tl.zeros([BT, BK], dtype=tl.float32)
-            b_xd = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-            for s in range(BC):
-                o_u = o_f + s
-                m_u = o_u < Tc
-                # [BT, BK] rows u
-                b_ku = load_rows(k, rk, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
-                b_qu = load_rows(q, rq, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
-                b_d = b_g - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_u[:, None] & m_k[None, :],
-                                    other=0.0)
-                # [BT] P[t, u], dM[t, u] (u <= t), P[u, t], beta_u dM[u, t] (u >= t)
-                b_ptu = tl.load(dAqk + o_t * sa + o_u, mask=m_t & (o_u <= o_t), other=0.0)
-                b_mtu = tl.load(dM + o_t * sa + o_u, mask=m_t & (o_u < o_t), other=0.0)
-                b_put = tl.load(dAqk + o_u * sa + o_t, mask=m_u & (o_u >= o_t), other=0.0)
-                b_mut = tl.load(dM + o_u * sa + o_t, mask=m_u & (o_u > o_t), other=0.0)
-                b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
-                # [BT, BK] e(t, u) = exp2(gam_t - gam_u) and e(u, t), each clamped at <= 0 (<= 1 where used)
-                b_etu = tl.exp2(tl.minimum(b_d, 0.0))
-                b_eut = tl.exp2(tl.minimum(-b_d, 0.0))
-                b_dqd += b_ptu[:, None] * b_ku * b_etu
-                b_xd += b_mtu[:, None] * b_ku * b_etu
-                b_dkd += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_eut
-            b_dqa += b_dqd
-            b_x += b_xd
-            b_dka += b_dkd
-
-        b_dkai = b_beta[:, None] * b_x
-        # combine with the stage-2 terms
-        b_dqo = tl.load(dq + p_tk, mask=m_tk, other=0.0) + b_dqa
-        b_dko = tl.load(dk + p_tk, mask=m_tk, other=0.0) + b_dka + b_dkai
-        tl.store(dq + p_tk, b_dqo, mask=m_tk)
-        tl.store(dk + p_tk, b_dko, mask=m_tk)
-        b_dgam = tl.load(dgam + p_tk, mask=m_tk, other=0.0)
-        b_dgam += b_q * b_dqa + b_k * (b_dkai - b_dka)
-        # dg = reverse cumsum of dGam inside the chunk
-        b_dg = tl.cumsum(b_dgam, 0, reverse=True)
+        # [BT, BK] dg = reverse cumsum of dGam inside the chunk
+        b_dg = tl.cumsum(tl.load(dgam + p_tk, mask=m_tk, other=0.0), 0, reverse=True)
         if USE_GATE:
+            b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32) + b_bias[None, :]
-            else:
-                b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+                b_xg += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
             if USE_LOWER_BOUND:
                 lb = tl.cast(lower_bound, tl.float32)
                 b_ax = b_a * b_xg
@@ -225,17 +269,6 @@ def chunk_kda_bwd_kernel_intra(
                 tl.store(ddt_bias_p + (i_t * HV + i_hv) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
         else:
             tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
-        # dbeta_i += <k_i, X_i>
-        b_db += tl.sum(b_k * b_x, 1)
-
-    # [BT]
-    b_db += tl.load(dbeta_p + o_t * HV, mask=m_t, other=0.0)
-    if USE_BETA_SIGMOID:
-        b_s = tl.sigmoid(tl.load(beta_raw + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
-        b_db = b_db * b_s * (1.0 - b_s)
-        if ALLOW_NEG_EIGVAL:
-            b_db = 2.0 * b_db
-    tl.store(dbeta + o_t * HV, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_GATE:
         if HAS_ALOG:
             tl.store(dA_log_p + i_t * HV + i_hv, tl.sum(b_dalog, 0))
@@ -249,12 +282,13 @@ def chunk_kda_bwd_intra(
     cu_seqlens: Optional[torch.Tensor], lower_bound: Optional[float],
     use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
 ):
-    """Stage 3 launcher.
+    """Stage 3 launcher (two kernels).
 
     q, k [B, T, H, K] raw, rq, rk [B, T, H] fp32 l2norm row factors or None; gam fp32 [B, T, HV, K] (log2);
     beta [B, T, HV] activated; dAqk, dM fp32 [B, T, HV, 64]; dq, dk, dgam fp32 [B, T, HV, K] and dbeta_p
-    fp32 [B, T, HV] from stage 2 (dq, dk are completed in place); g [B, T, HV, K] (raw gate when use_gate);
-    beta_raw [B, T, HV] (the op's input); A_log [HV], dt_bias [HV * K] or None.
+    fp32 [B, T, HV] from stage 2 (dq, dk are completed in place, dgam is overwritten with dGam);
+    g [B, T, HV, K] (raw gate when use_gate); beta_raw [B, T, HV] (the op's input); A_log [HV],
+    dt_bias [HV * K] or None.
     Returns (dq, dk fp32 [B, T, HV, K] w.r.t. the normalised q/k per value head, dg [B, T, HV, K] in g.dtype,
     dbeta [B, T, HV] in beta_raw.dtype, dA_log [HV] fp32 or None, ddt_bias [HV * K] fp32 or None).
 
@@ -272,16 +306,23 @@ def chunk_kda_bwd_intra(
     dA_log_p = torch.zeros(layout.NT_total, HV, dtype=torch.float32, device=q.device) if has_alog else None
     ddt_bias_p = torch.zeros(layout.NT_total, HV, K, dtype=torch.float32, device=q.device) if has_bias else None
     pick = lambda x: absent(x, gam)  # noqa: E731
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_intra)[(layout.NT_total, HV)](
-        q, k, pick(rq), pick(rk), gam, beta, dAqk, dM, g, beta_raw, pick(A_log if has_alog else None),
-        pick(dt_bias if has_bias else None),
+    torch.library.wrap_triton(chunk_kda_bwd_kernel_intra)[(layout.NT_total * (BT // BC), HV)](
+        q, k, pick(rq), pick(rk), gam, beta, dAqk, dM, beta_raw,
         dq, dk, dgam, dbeta_p,
-        dg, dbeta, pick(dA_log_p), pick(ddt_bias_p),
-        pick(cu_seqlens), pick(layout.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),
+        dbeta,
+        pick(cu_seqlens), pick(layout.chunk_indices),
         T, layout.N, H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
-        USE_L2NORM=rq is not None, USE_GATE=use_gate, USE_LOWER_BOUND=lower_bound is not None,
-        USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval, HAS_ALOG=has_alog,
-        HAS_BIAS=has_bias, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
+        USE_L2NORM=rq is not None, USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
+    )
+    # after the kernel above: each chunk's dGam rows come from four of its programs
+    torch.library.wrap_triton(chunk_kda_bwd_kernel_gate)[(layout.NT_total, HV)](
+        dgam, g, pick(A_log if has_alog else None), pick(dt_bias if has_bias else None),
+        dg, pick(dA_log_p), pick(ddt_bias_p),
+        pick(cu_seqlens), pick(layout.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),
+        T, layout.N, HV, K=K, BT=BT, BK=min(32, max(16, triton.next_power_of_2(K))),     # 92 registers
+        USE_GATE=use_gate, USE_LOWER_BOUND=lower_bound is not None, HAS_ALOG=has_alog, HAS_BIAS=has_bias,
+        IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
     dA_log = dA_log_p.sum(0) if has_alog else None
     ddt_bias = ddt_bias_p.sum(0).reshape(HV * K) if has_bias else None
