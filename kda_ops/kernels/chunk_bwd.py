@@ -38,12 +38,18 @@ def load_rows(x, r, o_t, m_t, o_k, m_k, sx, sr, USE_L2NORM: tl.constexpr):
 
 @triton.autotune(
     configs=autotune_configs([
-        triton.Config({"BV": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BV": 64}, num_warps=4, num_stages=1),
-        triton.Config({"BV": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=3),
         # 1.856 ms at (4, 4096, 32, 128), against 1.894 for 2 stages (session f)
-        triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=3),
+        # BK 32: one more K-side program per chunk, but no spills. At K = 128 (bf16, sm_90, triton 3.6) the
+        # 4-warp configs above spill 400-670 bytes per thread at BK 64 and none at BK 32 (250-255 registers)
+        triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
     ]),
     key=["K", "V", "PREC", "TUNE_SIZE"],
     reset_to_zero=["dM", "dbeta"],
@@ -227,13 +233,15 @@ def chunk_kda_bwd_inter(
     dM = torch.zeros(B, T, HV, BT, dtype=f32, device=dev)
     dbeta = torch.zeros(B, T, HV, dtype=f32, device=dev)
     pick = lambda x: absent(x, gam)  # noqa: E731
-    BK = min(64, max(16, triton.next_power_of_2(K)))
-    grid = (triton.cdiv(K, BK) + 1, layout.NT_total, HV)
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) + 1, layout.NT_total, HV)
+
     torch.library.wrap_triton(chunk_kda_bwd_kernel_inter)[grid](
         q, k, pick(rq), pick(rk), v, gam, beta, Tm, W, U, h, vn, do, dh, dvn,
         dq, dk, dgam, dv, dAqk, dM, dbeta,
         pick(cu_seqlens), pick(layout.chunk_indices), float(scale), T, layout.N, H, HV, tune_size(B * T, HV),
-        K=K, V=V, BT=BT, BK=BK,
+        K=K, V=V, BT=BT,
         USE_L2NORM=rq is not None, IS_VARLEN=cu_seqlens is not None,
         PREC=dot_precision(v.dtype), LOWP_DOT=lowp_dot(v.dtype),
     )
