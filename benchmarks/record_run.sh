@@ -5,9 +5,10 @@
 #   bash benchmarks/record_run.sh       (repo root; carry .wheels and .triton_cache)
 #
 # Every step has its own limit and everything stops END seconds (default 520) after the start, so a step that
-# runs long costs only the steps after it. Knobs: CONFIGS (-k of tests/test_gpu_configs.py), TESTS (pytest paths
-# of the first-config GPU tests), SIX (modes of the six-shape tables, default "fwd"; "fwd fwdbwd" for both),
-# END.
+# runs long costs only the steps after it. Knobs: ROUNDS (of the forward comparison, default 2), TESTS (pytest
+# paths of the first-config GPU tests), CONFIGS (module:kernel names of tests/test_gpu_configs.py), TESTS_LIMIT
+# (seconds for all tests together, default 300), SIX (modes of the six-shape tables, default "fwd"; "fwd fwdbwd"
+# for both), END.
 set -o pipefail
 OUT=$(realpath "${OUT:-out}"); mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -21,18 +22,27 @@ step() { echo "== $1 (+$(( $(date +%s) - T0 ))s)"; }
 show() { grep -v "^\s*File\|^\s*\^\|[Ww]arn" "$1" | tail -"${2:-8}"; }
 S="1,8192,32,128 4,4096,32,128"
 
-step "fwd, two rounds"
-timeout "$(lim 130)" python3 benchmarks/bench_kda.py --mode fwd --rounds 2 --shapes $S --out "$OUT" > "$OUT/bench_fwd.log" 2>&1
+step "fwd, ${ROUNDS:=2} round(s)"
+timeout "$(lim 130)" python3 benchmarks/bench_kda.py --mode fwd --rounds "$ROUNDS" --shapes $S --out "$OUT" > "$OUT/bench_fwd.log" 2>&1
 show "$OUT/bench_fwd.log"
 step fwdbwd
 timeout "$(lim 160)" python3 benchmarks/bench_kda.py --mode fwdbwd --shapes $S --out "$OUT" > "$OUT/bench_fwdbwd.log" 2>&1
 show "$OUT/bench_fwdbwd.log"
-step "gpu tests: ${TESTS:=tests/test_gpu_model.py}"
-KDA_OPS_AUTOTUNE=0 timeout "$(lim 200)" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS > "$OUT/gpu_tests.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -8
-step "configs: ${CONFIGS:=fwd_kernel_intra or fwd_kernel_wu}"
-timeout "$(lim 120)" python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_configs.py -k "$CONFIGS" > "$OUT/configs.log" 2>&1
-grep -E "FAIL|passed|failed" "$OUT/configs.log" | tail -8
+# Tests after the timed runs, all at once: each file and each kernel's configs in its own process (they compile
+# their kernels on the CPU, which is what takes the time; the GPU work is small), under one limit.
+step "gpu tests: ${TESTS:=tests/test_gpu_model.py}; configs: ${CONFIGS:=intra:chunk_kda_fwd_kernel_intra intra:chunk_kda_fwd_kernel_wu}"
+t=$(lim "${TESTS_LIMIT:-300}")
+for f in $TESTS; do
+  KDA_OPS_AUTOTUNE=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -m gpu "$f" > "$OUT/test_$(basename "$f" .py).log" 2>&1 &
+done
+for k in $CONFIGS; do   # the child of tests/test_gpu_configs.py: one kernel, every config, a line per config
+  KDA_OPS_AUTOTUNE=1 PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "$t" python3 tests/test_gpu_configs.py "$k" > "$OUT/configs_${k#*:}.log" 2>&1 &
+done
+wait
+for f in $TESTS; do echo "$f: $(grep -E "passed|failed" "$OUT/test_$(basename "$f" .py).log" | tail -1)"; \
+  grep -E "^(FAILED|ERROR)" "$OUT/test_$(basename "$f" .py).log" | cut -c1-300; done
+for k in $CONFIGS; do echo "$k: $(grep -c ': ok' "$OUT/configs_${k#*:}.log") ok, $(grep -c 'FAIL' "$OUT/configs_${k#*:}.log") failed"; \
+  grep -E "FAIL|Error" "$OUT/configs_${k#*:}.log" | cut -c1-300 | tail -4; done
 step "kernel times, fwd (4, 4096, 32, 128)"
 timeout "$(lim 60)" python3 benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 > "$OUT/kernel_times_fwd.log" 2>&1
 show "$OUT/kernel_times_fwd.log" 30
