@@ -28,21 +28,10 @@ show "$OUT/bench_fwd.log"
 step fwdbwd
 timeout "$(lim 160)" python3 benchmarks/bench_kda.py --mode fwdbwd --shapes $S --out "$OUT" > "$OUT/bench_fwdbwd.log" 2>&1
 show "$OUT/bench_fwdbwd.log"
-# Tests after the timed runs, all at once: each file and each kernel's configs in its own process (they compile
-# their kernels on the CPU, which is what takes the time; the GPU work is small), under one limit.
+# Tests after the timed runs, all at once (device_env.sh: device_tests)
 step "gpu tests: ${TESTS:=tests/test_gpu_model.py}; configs: ${CONFIGS:=intra:chunk_kda_fwd_kernel_intra intra:chunk_kda_fwd_kernel_wu}"
-t=$(lim "${TESTS_LIMIT:-300}")
-for f in $TESTS; do
-  KDA_OPS_AUTOTUNE=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -m gpu "$f" > "$OUT/test_$(basename "$f" .py).log" 2>&1 &
-done
-for k in $CONFIGS; do   # the child of tests/test_gpu_configs.py: one kernel, every config, a line per config
-  KDA_OPS_AUTOTUNE=1 PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "$t" python3 tests/test_gpu_configs.py "$k" > "$OUT/configs_${k#*:}.log" 2>&1 &
-done
-wait
-for f in $TESTS; do echo "$f: $(grep -E "passed|failed" "$OUT/test_$(basename "$f" .py).log" | tail -1)"; \
-  grep -E "^(FAILED|ERROR)" "$OUT/test_$(basename "$f" .py).log" | cut -c1-300; done
-for k in $CONFIGS; do echo "$k: $(grep -c ': ok' "$OUT/configs_${k#*:}.log") ok, $(grep -c 'FAIL' "$OUT/configs_${k#*:}.log") failed"; \
-  grep -E "FAIL|Error" "$OUT/configs_${k#*:}.log" | cut -c1-300 | tail -4; done
+export TESTS CONFIGS
+device_tests "$(lim "${TESTS_LIMIT:-300}")" "$OUT"
 step "kernel times, fwd (4, 4096, 32, 128)"
 timeout "$(lim 60)" python3 benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 > "$OUT/kernel_times_fwd.log" 2>&1
 show "$OUT/kernel_times_fwd.log" 30

@@ -8,7 +8,8 @@
 #   on the GPU:  OUT=$OUT bash benchmarks/variants.sh run NAME:MODE ...   e.g. main:fwd v5:fwd main:fwdbwd
 #                knobs: SHAPES (bench_kda --shapes, default the two headline shapes), BENCH_TIMEOUT (s per run,
 #                default 90; runs stop at END too), TESTV (a variant whose GPU tests run after the benchmarks, first configs, until
-#                END seconds after the start, default 540), TESTS (pytest paths for TESTV).
+#                END seconds after the start, default 540), TESTS (pytest paths for TESTV), CONFIGS (module:kernel
+#                names of tests/test_gpu_configs.py for TESTV); TESTV's tests run in parallel (device_tests).
 # Each run writes its log and JSON under $OUT/NAME; the last lines of every log are printed. The per-stage
 # times of --stages move by up to ~0.3 ms from call to call for the same code: compare totals.
 set -o pipefail
@@ -43,10 +44,8 @@ for spec in "$@"; do
 done
 if [ -n "$TESTV" ]; then
   echo "== tests $TESTV $(el)"
-  (cd ".variants/$TESTV" && PYTHONPATH=/tmp/site:$PWD KDA_OPS_AUTOTUNE=0 \
-     timeout $(left) python3 -m pytest -q -p no:cacheprovider -m gpu \
-     ${TESTS:-tests/test_gpu_fwd.py tests/test_gpu_bwd.py} > "$OUT/tests_$TESTV.log" 2>&1)
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_$TESTV.log" | cut -c1-400 | tail -20
+  export TESTS=${TESTS:-tests/test_gpu_fwd.py tests/test_gpu_bwd.py} CONFIGS
+  (cd ".variants/$TESTV" && PYTHONPATH=/tmp/site:$PWD device_tests "$(left)" "$OUT/tests_$TESTV")
 fi
 echo "== done $(el)"
 device_pack variants
