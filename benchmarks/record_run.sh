@@ -35,7 +35,7 @@ device_tests "$(lim "${TESTS_LIMIT:-300}")" "$OUT"
 step "kernel times, fwd (4, 4096, 32, 128)"
 timeout "$(lim 60)" python3 benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 > "$OUT/kernel_times_fwd.log" 2>&1
 show "$OUT/kernel_times_fwd.log" 30
-for mode in ${SIX:-fwd}; do
+for mode in ${SIX-fwd}; do   # SIX= (empty): none
   step "$mode, six shapes"
   timeout "$(left)" python3 benchmarks/bench_kda.py --mode "$mode" --out "$OUT" > "$OUT/bench_${mode}6.log" 2>&1
   show "$OUT/bench_${mode}6.log" 14
