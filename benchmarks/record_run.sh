@@ -8,7 +8,7 @@
 # runs long costs only the steps after it. Knobs: ROUNDS (of the forward comparison, default 2), TESTS (pytest
 # paths of the first-config GPU tests), CONFIGS (module:kernel names of tests/test_gpu_configs.py), TESTS_LIMIT
 # (seconds for all tests together, default 300), SIX (modes of the six-shape tables, default "fwd"; "fwd fwdbwd"
-# for both), END.
+# for both; empty for none), END.
 set -o pipefail
 OUT=$(realpath "${OUT:-out}"); mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
