@@ -33,12 +33,13 @@ OUT = tempfile.mkdtemp(prefix="kda_sm90_")
 target = GPUTarget("cuda", 90, 32)
 cuobj = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump')
 
-def comp(jf, sig, consts, num_warps, num_stages, tag):
+def comp(jf, names, types, consts, num_warps, num_stages, tag):
+    """Compile jf for sm_90: names / types of its runtime arguments, consts its constexprs; print one line."""
+    sig = dict(zip(names, types), **{kk: 'constexpr' for kk in consts})
     fn = jf
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
-    names = list(fn.arg_names)
-    attrs = {(names.index(nm),): [['tt.divisibility', 16]] for nm, ty in sig.items() if ty.startswith('*')}
+    attrs = {(fn.arg_names.index(nm),): [['tt.divisibility', 16]] for nm, ty in sig.items() if ty.startswith('*')}
     t = time.time()
     try:
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
@@ -73,14 +74,12 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     wdt = wdt or dt
     names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','scr','rq','rk','kd','qg','kbg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
     types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}']*2 + ['*fp32']*3 + [f'*{wdt}']*3 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
-    sig = dict(zip(names, types))
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
              INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16')
     c.update(flags)
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_fwd_kernel_intra, sig, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
+    comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
 
 
 def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
@@ -88,37 +87,31 @@ def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
     wdt = wdt or dt
     names = ['v','beta_act','Tm','kbg','W','U','cu_seqlens','chunk_indices','T','N','HV','TUNE_SIZE']
     types = [f'*{dt}', '*fp32'] + [f'*{wdt}']*4 + ['*i32','*i32','i32','i32','i32','i32']
-    sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BK=BK, BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=False,
              PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=wdt == 'bf16')
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_fwd_kernel_wu, sig, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
+    comp(chunk_kda_fwd_kernel_wu, names, types, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
 
 
 def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
     """wdt: dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk (KD_T); fp32: the recompute)."""
     names = ['W','U','kd','qg','Aqk','gam','h0','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
     types = [f'*{wdt}']*5 + ['*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32','i32']
-    sig = dict(zip(names, types))
     c = dict(K=K, V=V, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_H0=True, STORE_O=True, STORE_H=False,
              STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32',
              KD_T=wdt == 'bf16')
     c.update(flags)
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_fwd_kernel_state, sig, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
+    comp(chunk_kda_fwd_kernel_state, names, types, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
 
 
 def state_bwd(wdt='fp32', K=128, BV=32, w=8, s=1):
     """The reverse state pass; wdt: dtype of qg, kd, W, Aqk (fp32: the backward's recompute on main)."""
     names = ['qg','kd','W','gam','Aqk','do','dht','dh','dvn','dh0','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
     types = [f'*{wdt}']*3 + ['*fp32', f'*{wdt}', '*bf16', '*fp32', '*bf16', '*bf16', '*fp32', '*i32', '*i32', 'i32', 'i32', 'i32']
-    sig = dict(zip(names, types))
     c = dict(K=K, V=K, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_DHT=True, STORE_DH0=True,
              IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
     if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names:   # branches whose state_bwd reads kd^T blocks
         c['KD_T'] = wdt == 'bf16'
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_bwd_kernel_state, sig, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
+    comp(chunk_kda_bwd_kernel_state, names, types, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
 
 
 def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
@@ -127,32 +120,28 @@ def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
              'dM','dbeta','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
     types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*2 + [f'*{wdt}']*3 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
              + ['*fp32']*3 + ['*i32']*2 + ['fp32'] + ['i32']*5)
-    sig = dict(zip(names, types))
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_bwd_kernel_inter, sig, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
+    comp(chunk_kda_bwd_kernel_inter, names, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
+
+
 def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, **flags):
     """The backward row-block kernel (q, k in dt; gam, dAqk, dM, dq, dk, dgam fp32)."""
     names = ['q','k','rq','rk','gam','beta','dAqk','dM','beta_raw','dq','dk','dgam','dbeta_p','dbeta','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
     types = [f'*{dt}']*2 + ['*fp32']*3 + [f'*{dt}'] + ['*fp32']*2 + [f'*{dt}'] + ['*fp32']*4 + [f'*{dt}'] + ['*i32','*i32','i32','i32','i32','i32','i32']
-    sig = dict(zip(names, types))
     c = dict(K=K, BT=64, BC=16, BK=BK, USE_L2NORM=True, USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False,
              PREC='ieee' if dt=='fp32' else 'tf32')
     c.update(flags)
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_bwd_kernel_intra, sig, c, w, s, f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}")
+    comp(chunk_kda_bwd_kernel_intra, names, types, c, w, s, f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}")
 
 
 def gate_bwd(dt='bf16', K=128, w=4, **flags):
     """The backward cumsum / gate kernel (its launcher's BK and num_warps; lower_bound form with USE_LOWER_BOUND)."""
     names = ['dgam','g_raw','A_log','dt_bias','dg','dA_log_p','ddt_bias_p','cu_seqlens','chunk_indices','lower_bound','T','N','HV']
     types = ['*fp32', f'*{dt}', '*fp32', '*fp32', f'*{dt}', '*fp32', '*fp32', '*i32', '*i32', 'fp32', 'i32', 'i32', 'i32']
-    sig = dict(zip(names, types))
     c = dict(K=K, BT=64, BK=min(32, max(16, triton.next_power_of_2(K))), USE_GATE=True, USE_LOWER_BOUND=False,
              HAS_ALOG=True, HAS_BIAS=True, IS_VARLEN=False)
     c.update(flags)
-    for kk in c: sig[kk] = 'constexpr'
-    comp(chunk_kda_bwd_kernel_gate, sig, c, w, 1, f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
+    comp(chunk_kda_bwd_kernel_gate, names, types, c, w, 1, f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
 
 
 def configs(kernel):
