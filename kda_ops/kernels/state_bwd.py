@@ -33,17 +33,18 @@ from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, l
         # BV 32 (0.750 against 0.967). Session f; (BV 32 / 64, 4 warps, 1 stage) lost at both.
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     ]),
-    key=["K", "V", "PREC", "TUNE_SIZE"],
+    key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_bwd_kernel_state(
-    qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K] x3, [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
+    qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K],
+                                             #   [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
     dh, dvn, dh0,                            # out: [NT_total,HV,K,V], [B,T,HV,V], [N,HV,K,V] fp32
     cu_seqlens, chunk_offsets, T, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+    PREC: tl.constexpr, LOWP_DOT: tl.constexpr, KD_T: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), N * HV)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -91,7 +92,13 @@ def chunk_kda_bwd_kernel_state(
         p_tv = o_t[:, None] * sv + o_v[None, :]
         # [BT, BK]
         b_qg = tl.load(qg + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
-        b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        if KD_T:
+            # the chunk's [BK, BT] block of kd^T, row-major (zeros past the sequence's end), transposed in
+            # registers: a transposed pointer pattern on bf16 faulted in shared memory with triton 3.6 (state.py)
+            p_kt = ((boh + i_c) * HV + i_hv) * (K * BT) + o_k[:, None] * BT + o_t[None, :]
+            b_kd = tl.trans(tl.load(kd + p_kt, mask=m_k[:, None], other=0.0).to(DOT_DT))
+        else:
+            b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         b_w = tl.load(W + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         # [BT(i), BT(j)] (zero for j > i)
         b_a = tl.load(Aqk + (t0 * sa + i_hv * BT) + (o_t[:, None] * sa + o_t[None, :]), mask=m_t[:, None], other=0.0)
@@ -116,10 +123,12 @@ def chunk_kda_bwd_kernel_state(
 def chunk_kda_bwd_state(
     qg: torch.Tensor, kd: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
     do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, cu_seqlens: Optional[torch.Tensor],
+    kd_t: bool = False,
 ):
     """Reverse state pass.
 
-    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype); gam [B, T, HV, K] fp32 (log2 units);
+    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype; kd_t: kd is IntraOut.kdt, kd^T per chunk
+    [NT_total, HV, K, 64]); gam [B, T, HV, K] fp32 (log2 units);
     Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] or None.
     Returns (dh [NT_total, HV, K, V]: gradient of the state leaving each chunk, laid out like the forward's
     per-chunk states; dvn [B, T, HV, V] (both in do.dtype for 16-bit inputs, else fp32);
@@ -146,7 +155,7 @@ def chunk_kda_bwd_state(
         qg, kd, W, gam, Aqk, do, pick(dht), dh, dvn, pick(dh0),
         pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None, KD_T=kd_t,
         PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),
     )
     return dh, dvn, dh0
