@@ -12,6 +12,7 @@ This is how the register counts in benchmarks/NOTES.md and the shared-memory not
 were read.
 """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,24 @@ def comp(jf, sig, consts, num_warps, num_stages, tag):
     open(path, 'wb').write(k.asm['cubin'])
     out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
-    print(f"  {tag}: shared {k.metadata.shared} {res} ({time.time()-t:.1f}s)", flush=True)
+    print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
+
+
+def mn_a16(ttgir):
+    """How many wgmma dots take a 16-bit FIRST operand transposed in shared memory (memdesc_trans): the pattern
+    behind the faults with triton 3.6 on the H200 (a bf16 kd^T tile in the state pass, 'Invalid __shared__ read'
+    under compute-sanitizer; kernels/state.py, state_bwd.py). Kernels on main show 0. Transposed SECOND operands
+    (the inter kernel has five) are the usual wgmma B layout and run fine."""
+    trans16 = set()
+    n = 0
+    for line in ttgir.splitlines():
+        m = re.match(r'\s*(%[\w.#]+) = ttg\.memdesc_trans .*-> !ttg\.memdesc<\w*x(bf16|f16)', line)
+        if m:
+            trans16.add(m.group(1))
+        m = re.match(r'\s*%[\w.#]+ = ttng\.warp_group_dot (%[\w.#]+),', line)
+        if m and m.group(1) in trans16:
+            n += 1
+    return n
 
 def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
@@ -104,10 +122,10 @@ def state_bwd(wdt='fp32', K=128, BV=32, w=8, s=1):
 
 
 def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
-    """The backward's inter kernel; wdt: dtype of W and U (fp32: the recompute on main)."""
+    """The backward's inter kernel; wdt: dtype of Tm, W and U (bf16: the recompute in the forward's storage)."""
     names = ['q','k','rq','rk','v','gam','beta','Tm','W','U','h','vn','do','dh','dvn','dq','dk','dgam','dv','dAqk',
              'dM','dbeta','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
-    types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*3 + [f'*{wdt}']*2 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
+    types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*2 + [f'*{wdt}']*3 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
              + ['*fp32']*3 + ['*i32']*2 + ['fp32'] + ['i32']*5)
     sig = dict(zip(names, types))
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
@@ -156,9 +174,9 @@ if __name__ == '__main__':
                 for wdt in ('fp32', 'bf16') if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names else ('fp32',):
                     state_bwd(wdt, K=K, BV=BV, w=w, s=s)
     if 'inter' in what:
-        for BK in (64, 32):
-            for (BV, w, s) in configs(chunk_kda_bwd_kernel_inter):
-                inter(BK=BK, BV=BV, w=w, s=s)
+        for cf in chunk_kda_bwd_kernel_inter.configs:      # BK and BV autotuned
+            for wdt in ('bf16', 'fp32'):
+                inter(wdt, BK=cf.kwargs['BK'], BV=cf.kwargs['BV'], w=cf.num_warps, s=cf.num_stages)
     if 'intra_bwd' in what:
         for cf in chunk_kda_bwd_kernel_intra.configs:
             for dt, K in (('bf16', 128), ('bf16', 256), ('fp32', 128), ('bf16', 80)):

@@ -94,9 +94,9 @@ def chunk_kda_bwd_kernel_state(
         b_qg = tl.load(qg + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         if KD_T:
             # the chunk's [BK, BT] block of kd^T, row-major (zeros past the sequence's end), transposed in
-            # registers: a transposed pointer pattern on bf16 faulted in shared memory with triton 3.6 (state.py)
+            # registers (fp32, below)
             p_kt = ((boh + i_c) * HV + i_hv) * (K * BT) + o_k[:, None] * BT + o_t[None, :]
-            b_kd = tl.trans(tl.load(kd + p_kt, mask=m_k[:, None], other=0.0).to(DOT_DT))
+            b_kd = tl.trans(tl.load(kd + p_kt, mask=m_k[:, None], other=0.0).to(tl.float32)).to(DOT_DT)
         else:
             b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         b_w = tl.load(W + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
@@ -108,14 +108,18 @@ def chunk_kda_bwd_kernel_state(
         t_last = tl.minimum(t0 + BT, eos) - 1
         b_gl = tl.load(gam + (t_last * sg + i_hv * K) + o_k, mask=m_k, other=0.0)
 
+        # Every transposed operand goes through fp32 registers: a 16-bit tile loaded and transposed straight
+        # into a dot becomes an MN-major shared-memory wgmma operand (memdesc_trans in the TTGIR), the pattern
+        # that faulted with triton 3.6 on the H200 (state.py; 'illegal memory access' of this kernel on bf16
+        # storage, session g). Through fp32 it is a register operand, as with fp32 storage.
         # [BT, BT]^T @ [BT, BV] + [BT, BK] @ [BK, BV] -> [BT, BV]
-        b_dvn = tl.dot(tl.trans(b_a).to(DOT_DT), b_do, input_precision=PREC)
+        b_dvn = tl.dot(tl.trans(b_a.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
         b_dvn += tl.dot(b_kd, b_dhd, input_precision=PREC)
         tl.store(dvn + off_v + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
         # [BT, BK]^T @ [BT, BV] -> [BK, BV], twice
         b_dh = b_dh * tl.exp2(b_gl)[:, None]
-        b_dh += tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
-        b_dh -= tl.dot(tl.trans(b_w), b_dvn.to(DOT_DT), input_precision=PREC)
+        b_dh += tl.dot(tl.trans(b_qg.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
+        b_dh -= tl.dot(tl.trans(b_w.to(tl.float32)).to(DOT_DT), b_dvn.to(DOT_DT), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
