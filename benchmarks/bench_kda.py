@@ -155,15 +155,16 @@ def time_bwd_stages(x, D):
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
     out = {}
     f_intra = lambda: chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, scale, None,  # noqa: E731
-                                          True, True, True, False)
+                                          True, True, True, False, lowp=True)
     intra = f_intra()
     out["bwd_stage_intra_ms"] = bench(f_intra)
     f_st = lambda: chunk_kda_fwd_state(intra, None, None, False, v.dtype, store_o=False,  # noqa: E731
                                        store_h=True, store_vn=True)
     st = f_st()
     out["bwd_stage_state_fwd_ms"] = bench(f_st)
-    f_sb = lambda: chunk_kda_bwd_state(intra.qg, intra.kd, intra.W, intra.gam, intra.Aqk, do, None,  # noqa: E731
-                                       False, None)
+    kd_t = intra.kdt is not None
+    f_sb = lambda: chunk_kda_bwd_state(intra.qg, intra.kdt if kd_t else intra.kd, intra.W, intra.gam,  # noqa: E731
+                                       intra.Aqk, do, None, False, None, kd_t)
     dh, dvn, _ = f_sb()
     out["bwd_stage_state_bwd_ms"] = bench(f_sb)
     rq, rk = intra.rq, intra.rk

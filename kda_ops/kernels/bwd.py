@@ -44,15 +44,18 @@ def chunk_kda_bwd_triton(
     ...     do, None, q, k, v, g, beta, A_log, dt_bias, h0, None, K ** -0.5, None, True, True, True, False)
     """
     # 0. recompute the forward intermediates
+    # lowp: the forward's own storage (bf16 W, U, qg, Aqk, kd^T with bf16 inputs), so the recomputed states
+    # and Vn are the forward's; stages 1 and 2 round these operands to bf16 for their dots anyway
     intra = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                                use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+                                use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lowp=True)
     st = chunk_kda_fwd_state(intra, initial_state, cu_seqlens, False, v.dtype,
                              store_o=False, store_h=True, store_vn=True)
     gam, beta_act, Aqk, Tm, W, U = intra.gam, intra.beta, intra.Aqk, intra.Tm, intra.W, intra.U
     rq, rk = intra.rq, intra.rk      # l2norm row factors (None without the l2norm)
     # 1. reverse state pass
-    dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, W, gam, Aqk, do, dht, initial_state is not None,
-                                       cu_seqlens)
+    kd_t = intra.kdt is not None
+    dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kdt if kd_t else intra.kd, W, gam, Aqk, do, dht,
+                                       initial_state is not None, cu_seqlens, kd_t)
     del intra, Aqk
     # 2. per chunk: through the state and the inverse
     dq, dk, dgam, dv, dAqk, dM, dbeta_p = chunk_kda_bwd_inter(

@@ -33,17 +33,18 @@ from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, l
         # BV 32 (0.750 against 0.967). Session f; (BV 32 / 64, 4 warps, 1 stage) lost at both.
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     ]),
-    key=["K", "V", "PREC", "TUNE_SIZE"],
+    key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_bwd_kernel_state(
-    qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K] x3, [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
+    qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K],
+                                             #   [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
     dh, dvn, dh0,                            # out: [NT_total,HV,K,V], [B,T,HV,V], [N,HV,K,V] fp32
     cu_seqlens, chunk_offsets, T, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+    PREC: tl.constexpr, LOWP_DOT: tl.constexpr, KD_T: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), N * HV)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -91,7 +92,13 @@ def chunk_kda_bwd_kernel_state(
         p_tv = o_t[:, None] * sv + o_v[None, :]
         # [BT, BK]
         b_qg = tl.load(qg + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
-        b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        if KD_T:
+            # the chunk's [BK, BT] block of kd^T, row-major (zeros past the sequence's end), transposed in
+            # registers (fp32, below)
+            p_kt = ((boh + i_c) * HV + i_hv) * (K * BT) + o_k[:, None] * BT + o_t[None, :]
+            b_kd = tl.trans(tl.load(kd + p_kt, mask=m_k[:, None], other=0.0).to(tl.float32)).to(DOT_DT)
+        else:
+            b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         b_w = tl.load(W + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         # [BT(i), BT(j)] (zero for j > i)
         b_a = tl.load(Aqk + (t0 * sa + i_hv * BT) + (o_t[:, None] * sa + o_t[None, :]), mask=m_t[:, None], other=0.0)
@@ -101,14 +108,18 @@ def chunk_kda_bwd_kernel_state(
         t_last = tl.minimum(t0 + BT, eos) - 1
         b_gl = tl.load(gam + (t_last * sg + i_hv * K) + o_k, mask=m_k, other=0.0)
 
+        # Every transposed operand goes through fp32 registers: a 16-bit tile loaded and transposed straight
+        # into a dot becomes an MN-major shared-memory wgmma operand (memdesc_trans in the TTGIR), the pattern
+        # that faulted with triton 3.6 on the H200 (state.py; 'illegal memory access' of this kernel on bf16
+        # storage, session g). Through fp32 it is a register operand, as with fp32 storage.
         # [BT, BT]^T @ [BT, BV] + [BT, BK] @ [BK, BV] -> [BT, BV]
-        b_dvn = tl.dot(tl.trans(b_a).to(DOT_DT), b_do, input_precision=PREC)
+        b_dvn = tl.dot(tl.trans(b_a.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
         b_dvn += tl.dot(b_kd, b_dhd, input_precision=PREC)
         tl.store(dvn + off_v + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
         # [BT, BK]^T @ [BT, BV] -> [BK, BV], twice
         b_dh = b_dh * tl.exp2(b_gl)[:, None]
-        b_dh += tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
-        b_dh -= tl.dot(tl.trans(b_w), b_dvn.to(DOT_DT), input_precision=PREC)
+        b_dh += tl.dot(tl.trans(b_qg.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
+        b_dh -= tl.dot(tl.trans(b_w.to(tl.float32)).to(DOT_DT), b_dvn.to(DOT_DT), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
@@ -116,10 +127,12 @@ def chunk_kda_bwd_kernel_state(
 def chunk_kda_bwd_state(
     qg: torch.Tensor, kd: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
     do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, cu_seqlens: Optional[torch.Tensor],
+    kd_t: bool = False,
 ):
     """Reverse state pass.
 
-    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype); gam [B, T, HV, K] fp32 (log2 units);
+    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype; kd_t: kd is IntraOut.kdt, kd^T per chunk
+    [NT_total, HV, K, 64]); gam [B, T, HV, K] fp32 (log2 units);
     Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] or None.
     Returns (dh [NT_total, HV, K, V]: gradient of the state leaving each chunk, laid out like the forward's
     per-chunk states; dvn [B, T, HV, V] (both in do.dtype for 16-bit inputs, else fp32);
@@ -146,7 +159,7 @@ def chunk_kda_bwd_state(
         qg, kd, W, gam, Aqk, do, pick(dht), dh, dvn, pick(dh0),
         pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None, KD_T=kd_t,
         PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),
     )
     return dh, dvn, dh0
