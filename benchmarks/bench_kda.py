@@ -62,7 +62,7 @@ def fn_kda_ops(x, D, backward):
         from kda_ops.kernels import chunk_kda_fwd_triton
 
         def f():
-            o, _ = chunk_kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+            o, *_ = chunk_kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
                                         None, None, D ** -0.5, None, True, True, True, False, False)
             return o
     else:
