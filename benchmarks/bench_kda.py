@@ -168,8 +168,8 @@ def time_bwd_stages(x, D):
     dh, dvn, _ = f_sb()
     out["bwd_stage_state_bwd_ms"] = bench(f_sb)
     rq, rk = intra.rq, intra.rk
-    f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm, intra.W,  # noqa: E731
-                                       intra.U, st.h, st.vn, do, dh, dvn, None, scale)
+    f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm,  # noqa: E731
+                                       st.h, st.vn, do, dh, dvn, None, scale)
     dq, dk, dgam, dv, dAqk, dM, dbeta_p = f_in()
     out["bwd_stage_inter_ms"] = bench(f_in)
     f_ib = lambda: chunk_kda_bwd_intra(q, k, rq, rk, intra.gam, intra.beta, dAqk, dM, dq.clone(),  # noqa: E731

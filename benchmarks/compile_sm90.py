@@ -121,6 +121,8 @@ def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
              'dM','dbeta','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
     types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*2 + [f'*{wdt}']*3 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
              + ['*fp32']*3 + ['*i32']*2 + ['fp32'] + ['i32']*5)
+    if 'W' not in chunk_kda_bwd_kernel_inter.fn.arg_names:     # dM from Vn: the kernel takes neither W nor U
+        del types[8:10], names[8:10]
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
     comp(chunk_kda_bwd_kernel_inter, names, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
 

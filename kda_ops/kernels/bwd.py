@@ -55,17 +55,17 @@ def chunk_kda_bwd_triton(
     del saved
     st = chunk_kda_fwd_state(intra, initial_state, cu_seqlens, False, v.dtype,
                              store_o=False, store_h=True, store_vn=True)
-    gam, beta_act, Aqk, Tm, W, U = intra.gam, intra.beta, intra.Aqk, intra.Tm, intra.W, intra.U
+    gam, beta_act, Tm = intra.gam, intra.beta, intra.Tm
     rq, rk = intra.rq, intra.rk      # l2norm row factors (None without the l2norm)
     # 1. reverse state pass
     kd_t = intra.kdt is not None
-    dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kdt if kd_t else intra.kd, W, gam, Aqk, do, dht,
-                                       initial_state is not None, cu_seqlens, kd_t)
-    del intra, Aqk
+    dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kdt if kd_t else intra.kd, intra.W, gam, intra.Aqk,
+                                       do, dht, initial_state is not None, cu_seqlens, kd_t)
+    del intra       # U and W are not needed past the state passes (stage 2 takes Vn = U - W S)
     # 2. per chunk: through the state and the inverse
     dq, dk, dgam, dv, dAqk, dM, dbeta_p = chunk_kda_bwd_inter(
-        q, k, rq, rk, v, gam, beta_act, Tm, W, U, st.h, st.vn, do, dh, dvn, cu_seqlens, scale)
-    del st, dh, dvn, Tm, W, U
+        q, k, rq, rk, v, gam, beta_act, Tm, st.h, st.vn, do, dh, dvn, cu_seqlens, scale)
+    del st, dh, dvn, Tm
     # 3. per chunk: pairwise in-chunk terms, cumsum, gate and beta
     dq, dk, dg, dbeta, dA_log, ddt_bias = chunk_kda_bwd_intra(
         q, k, rq, rk, gam, beta_act, dAqk, dM, dq, dk, dgam, dbeta_p, g, beta, A_log, dt_bias,
