@@ -154,8 +154,10 @@ def time_bwd_stages(x, D):
     scale = D ** -0.5
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
     out = {}
-    f_intra = lambda: chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, scale, None,  # noqa: E731
-                                          True, True, True, False, lowp=True)
+    args = (q, k, v, g, beta, A_log, dt_bias, None, scale, None, True, True, True, False)
+    fwd = chunk_kda_fwd_intra(*args, lowp=True)
+    # the backward's recompute: with the forward's Aqk and Tm, as chunk_kda_bwd_triton runs it under autograd
+    f_intra = lambda: chunk_kda_fwd_intra(*args, lowp=True, saved=(fwd.Aqk, fwd.Tm))  # noqa: E731
     intra = f_intra()
     out["bwd_stage_intra_ms"] = bench(f_intra)
     f_st = lambda: chunk_kda_fwd_state(intra, None, None, False, v.dtype, store_o=False,  # noqa: E731
