@@ -1,5 +1,7 @@
 # Sourced by run_device.sh and variants.sh on the lent GPU machine (not run on its own).
-#   device_setup       carried wheels (.wheels) into /tmp/site, Triton / Python env, $OUT/gpu.txt
+#   device_setup       carried wheels (.wheels) into /tmp/site, Triton / Python env, $OUT/gpu.txt; starts the clock
+#   left / lim S       seconds to the deadline END (seconds after device_setup; set by the calling script),
+#                      at least 1 (timeout 0 would mean no limit); lim: the smaller of S and that
 #   device_tests LIMIT LOGDIR   the GPU tests of the current directory in parallel processes (below)
 #   device_pack NAME   autotune cache -> $OUT/autotune_cache.tgz; every other output -> $OUT/NAME.tgz
 # Autotune results persist across calls: autotune_cache.tgz (the *.autotune.json files only, a few KB) comes back
@@ -13,7 +15,11 @@ device_setup() {
   export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
   mkdir -p "$TRITON_CACHE_DIR"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv | tee "$OUT/gpu.txt"
+  T0=$(date +%s)
 }
+
+left() { local l=$(( END - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; echo "$l"; }
+lim() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 
 device_pack() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_cache.tgz" -T -)

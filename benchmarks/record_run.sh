@@ -12,12 +12,9 @@
 set -o pipefail
 OUT=$(realpath "${OUT:-out}"); mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
+END=${END:-520}
 device_setup
 export PYTHONPATH=/tmp/site:$PWD
-T0=$(date +%s)
-# seconds to the deadline, at least 1 (timeout 0 would mean no limit)
-left() { local l=$(( ${END:-520} - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; echo "$l"; }
-lim() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 step() { echo "== $1 (+$(( $(date +%s) - T0 ))s)"; }
 show() { grep -v "^\s*File\|^\s*\^\|[Ww]arn" "$1" | tail -"${2:-8}"; }
 S="1,8192,32,128 4,4096,32,128"

@@ -27,15 +27,14 @@ fi
 [ "$cmd" = run ] || { echo "usage: variants.sh prepare NAME=REV ... | run NAME:MODE ..." >&2; exit 2; }
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 source "$(dirname "$0")/device_env.sh"
+END=${END:-540}
 device_setup
 cat .variants/*/REV | tee -a "$OUT/gpu.txt"
-T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
-# seconds to END, at least 1 (timeout 0 would mean no limit, and the results would not be packed)
-left() { local l=$(( ${END:-540} - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; echo "$l"; }
+el() { echo "+$(( $(date +%s) - T0 ))s"; }
 for spec in "$@"; do
   v=${spec%%:*}; mode=${spec#*:}
   echo "== $v $mode $(el)"
-  t=$(left); [ "$t" -gt "${BENCH_TIMEOUT:-90}" ] && t=${BENCH_TIMEOUT:-90}
+  t=$(lim "${BENCH_TIMEOUT:-90}")
   [ "$t" -le 5 ] && { echo "skipped: END reached"; continue; }
   (cd ".variants/$v" && PYTHONPATH=/tmp/site:$PWD timeout "$t" python3 benchmarks/bench_kda.py \
      --mode "$mode" --stages --providers kda_ops --shapes ${SHAPES:-1,8192,32,128 4,4096,32,128} \

@@ -30,7 +30,20 @@ SPAN3 = SPAN               # stage-3 fast-path threshold (set < 0 to force the e
 FAST_LOG = []              # fraction of stage-3 (chunk, K-block) programs on the fast path, per call
 TF32_MODE = "rn"           # "rn": round to nearest, "rz": truncate (mma ignoring the low 13 bits)
 DIAG_SPLIT = False         # candidate fix: stage 3's factored operands as tf32 hi + lo on the rows of the own
-                           # (diagonal) block only, single tf32 on the earlier / later blocks
+                           # (diagonal) 16-row block only, single tf32 on the earlier / later blocks
+PAIR_REF = False           # candidate fix (no extra precision), a cancellation-aware correction of dA_log / ddt_bias.
+                           # dA_log = sum_s dGam_s W_s, W = in-chunk inclusive cumsum of dg_t/dA_log (= Gam without
+                           # lower_bound), likewise ddt_bias[k] with W = cumsum of dg_t/d(dt_bias). Each stage-3 pair
+                           # block (row block r >= column block c) adds D_rc = (column sums over block r's rows of
+                           # q dq_a + beta k X from block c) - (column sums over block c's rows of k dk_a from block
+                           # r) to sum_s dGam_s, which is exactly zero in exact arithmetic. The correction subtracts
+                           # sum_rc a_rc[k] D_rc[k] with a per pair block and channel reference a_rc = W at:
+                           #   "mid": (W_start(c) + W_end(r)) / 2, W_start(c) = W at row 16 c - 1 (0 for c = 0),
+                           #          W_end(r) = W at row 16 r + 15 (for r = c: the middle of block r)
+                           #   "row": row min(16 r + 8, Tc - 1) (block r's middle row, the fast path's reference)
+                           #   "first": row 16 r (block r's first row)
+                           # False: no correction (the kernels as they are).
+PAIR_DIAG_ONLY = False     # (diagnostic) apply the PAIR_REF correction to the diagonal pair blocks (r = c) only
 
 
 def bf(t):
@@ -107,7 +120,7 @@ def run(inputs, kw, do, Rset=(), C=64):
     HV, V = v.shape[-2:]
     scale = K ** -0.5
     p, h0, index, valid, _ = R._prepare(q, k, v, g, beta, A_log, dt_bias, None, None, None,
-                                        True, True, True, False, C)
+                                        True, True, True, kw.get("allow_neg_eigval", False), C)
     qn, kn, vv, ga, bt = p["q"], p["k"], p["v"], p["g"], p["beta"]        # [N, HV, NT, C, (K)]
     NT = ga.shape[2]
     Tc = torch.tensor([min(C, T - c * C) for c in range(NT)])
@@ -187,7 +200,15 @@ def run(inputs, kw, do, Rset=(), C=64):
     tf3 = lambda t: tf(t) + tf(t - tf(t))          # tf32x3 operand (hi + lo): ~2^-22 relative  # noqa: E731
     rm = tf3 if "s3x3" in Rset else tf if ("s3" in Rset or "s3P" in Rset) else idf
     rv = tf3 if "s3x3" in Rset else tf if ("s3" in Rset or "s3v" in Rset) else idf
-    dq_a, X, dk_a = stage3(daqk, dM, qn, kn, bt, gam, Tc, rm, rv)
+    dqa_p, x_p, dka_p = stage3(daqk, dM, qn, kn, bt, gam, Tc, rm, rv)     # [.., NT, C, NB, K] per block
+    dq_a, X, dk_a = dqa_p.sum(-2), x_p.sum(-2), dka_p.sum(-2)
+    NB = C // BC
+    # D[.., NT, r, c, K]: row-side column sums of pair block (r, c) minus its column-side column sums (exact: 0)
+    rs = (qn.unsqueeze(-2) * dqa_p + (bt[..., None] * kn).unsqueeze(-2) * x_p)
+    rs = rs.reshape(*rs.shape[:-4], NT, NB, BC, NB, K).sum(-3)                # [.., NT, r, c, K]
+    cs = (kn.unsqueeze(-2) * dka_p)
+    cs = cs.reshape(*cs.shape[:-4], NT, NB, BC, NB, K).sum(-3).transpose(-2, -3)   # [.., NT, r, c, K]
+    Dpair = rs - cs
     dkai = bt[..., None] * X
     dq = dq + dq_a
     dk = dk + dk_a + dkai
@@ -204,6 +225,24 @@ def run(inputs, kw, do, Rset=(), C=64):
     dk = R.l2norm_bwd(k, un(dk).view(B, T, H, G, K).sum(3))
     dgact_u = un(dgact)
     dg, dA_log, ddt_bias = R.kda_gate_bwd(g, A_log, dt_bias, None, dgact_u)
+    if PAIR_REF:
+        # per-token derivatives of the activated gate w.r.t. A_log and dt_bias (no lower_bound: dg/dA_log = g)
+        a_ = A_log.exp().view(HV, 1)
+        x_ = g + dt_bias.view(HV, K)
+        wA = R._pack(-a_ * torch.nn.functional.softplus(x_), index, valid, NT, C).cumsum(-2)   # [N, HV, NT, C, K]
+        wB = R._pack(-a_ * torch.sigmoid(x_), index, valid, NT, C).cumsum(-2)
+        rr = torch.arange(NB)
+        if PAIR_REF == "mid":
+            def ref(W):
+                end = W[..., rr * BC + BC - 1, :]                                     # [.., NT, NB, K]
+                start = torch.cat([torch.zeros_like(end[..., :1, :]), end[..., :-1, :]], -2)
+                return 0.5 * (start.unsqueeze(-3) + end.unsqueeze(-2))               # [.., NT, r, c, K]
+        else:
+            def ref(W):
+                off = BC // 2 if PAIR_REF == "row" else 0
+                ri = torch.minimum(rr[None, :] * BC + off, Tc[:, None] - 1)           # [NT, NB]
+                Wr = torch.gather(W, -2, ri.view(1, 1, NT, NB, 1).expand(*W.shape[:3], NB, K))
+                return Wr.unsqueeze(-2).expand(*Wr.shape[:-1], NB, K)                # [.., NT, r, c, K]
     if "acc32" in Rset:
         a = A_log.exp().view(HV, 1)
         x = g + dt_bias.view(HV, K)
@@ -212,10 +251,16 @@ def run(inputs, kw, do, Rset=(), C=64):
         dA_log = term.sum((-1, -2)).sum((0,)).sum(-1).double()  # per program fp32, then fp32 sum
         dx = R._pack(dg.float(), index, valid, NT, C)
         ddt_bias = dx.sum(-2).sum(0).sum(1).reshape(-1).double()
-    dbeta = R.beta_activation_bwd(beta, False, un(dbeta))
+    if PAIR_REF:
+        Dp = Dpair.float().double() if "acc32" in Rset else Dpair
+        if PAIR_DIAG_ONLY:
+            Dp = Dp * torch.eye(NB, dtype=Dp.dtype)[:, :, None]
+        dA_log = dA_log - (ref(wA) * Dp).sum((0, 2, 3, 4, 5))
+        ddt_bias = ddt_bias - (ref(wB) * Dp).sum((0, 2, 3, 4)).reshape(-1)
+    dbeta = R.beta_activation_bwd(beta, kw.get("allow_neg_eigval", False), un(dbeta))
     g_act = R.kda_gate(g, A_log, dt_bias, None)
     return dict(dq=dq, dk=dk, dv=un(dv), dg=dg, dbeta=dbeta, dA_log=dA_log, ddt_bias=ddt_bias,
-                dgact=dgact_u, g_act=g_act, dgam=un(dgam))
+                dgact=dgact_u, g_act=g_act, dgam=un(dgam), Dpair=Dpair)
 
 
 def _rows(x, idx):
@@ -226,7 +271,9 @@ def _rows(x, idx):
 def stage3(P, M, q, k, bt, gam, Tc, rnd_m, rnd):
     """dq_a = sum_j P_ij k_j e_ij, X = sum_j M_ij k_j e_ij, dk_a = sum_i (P_ij q_i + beta_i M_ij k_i) e_ij with
     intra_bwd.py's factorisation, path choice per K-block and operand rounding (tf32): rnd_m for the
-    [C, C] operands P, dM, rnd for the factored q / k operands."""
+    [C, C] operands P, dM, rnd for the factored q / k operands.
+    Returns dq_a, X, dk_a split by the 16-row block of the other side of the pair: [.., NT, C, NB, K]
+    (sum over NB = the kernel's results; the parts are the per-block-pair terms the PAIR_REF correction uses)."""
     C, K = gam.shape[-2:]
     i = torch.arange(C)
     blk = i // BC
@@ -239,6 +286,8 @@ def stage3(P, M, q, k, bt, gam, Tc, rnd_m, rnd):
     Pt, Mt = P.transpose(-1, -2), M.transpose(-1, -2)
     kbeta = k * bt[..., None]
     rP, rM, rPt, rMt = rnd_m(P), rnd_m(M), rnd_m(Pt), rnd_m(Mt)
+    NB = C // BC
+    onehot = (blk[:, None] == torch.arange(NB)[None, :]).double()                    # [C, NB]
     outs = []
     for k0 in range(0, K, BK3):
         sl = slice(k0, min(K, k0 + BK3))
@@ -248,7 +297,8 @@ def stage3(P, M, q, k, bt, gam, Tc, rnd_m, rnd):
         FAST_LOG.append(fast.double().mean().item())
         res = {}
         for path in ("fast", "exact"):
-            dqa = torch.zeros_like(g); x = torch.zeros_like(g); dka = torch.zeros_like(g)
+            pz = lambda: torch.zeros(*g.shape[:-1], NB, g.shape[-1], dtype=g.dtype)  # noqa: E731
+            dqa, x, dka = pz(), pz(), pz()                                            # [.., NT, C, NB, Kb]
             for r in range(C // BC):
                 r0 = r * BC
                 rows = slice(r0, r0 + BC)
@@ -270,26 +320,29 @@ def stage3(P, M, q, k, bt, gam, Tc, rnd_m, rnd):
                 if DIAG_SPLIT and rnd is tf:       # (only where stage 3 rounds at all)
                     own = ((i >= r0) & (i < r0 + BC))[:, None]
                     rd = lambda t: torch.where(own, tf(t) + tf(t - tf(t)), rnd(t))  # noqa: E731
-                rkc = rd(kc)
-                dqa[..., rows, :] = rP[..., rows, :] @ rkc
-                x[..., rows, :] = rM[..., rows, :] @ rkc
-                dka[..., rows, :] = rPt[..., rows, :] @ rd(qb * er) + rMt[..., rows, :] @ rd(kbb * er)
+                rkc, rqe, rke = rd(kc), rd(qb * er), rd(kbb * er)
+                for c in range(NB):              # the other side's 16-row block (same sums, split by block)
+                    cb = slice(c * BC, (c + 1) * BC)
+                    dqa[..., rows, c, :] = rP[..., rows, cb] @ rkc[..., cb, :]
+                    x[..., rows, c, :] = rM[..., rows, cb] @ rkc[..., cb, :]
+                    dka[..., rows, c, :] = rPt[..., rows, cb] @ rqe[..., cb, :] + rMt[..., rows, cb] @ rke[..., cb, :]
             if path == "fast":
                 ea = (g - gm).clamp(max=SPAN).exp()
                 eb = (gm - g).clamp(max=SPAN).exp()
-                dqa, x, dka = dqa * ea, x * ea, dka * eb
+                dqa, x, dka = dqa * ea.unsqueeze(-2), x * ea.unsqueeze(-2), dka * eb.unsqueeze(-2)
             else:
                 ea = (g - gf).clamp(max=SPAN).exp()
                 eb = (gl - g).clamp(max=SPAN).exp()
-                dqa, x, dka = dqa * ea, x * ea, dka * eb
+                dqa, x, dka = dqa * ea.unsqueeze(-2), x * ea.unsqueeze(-2), dka * eb.unsqueeze(-2)
                 # exact diagonal blocks, per pair
                 d = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(~(causal & same)[:, :, None], -math.inf).exp()
                 Pd, Md = P * same, M * same
-                dqa = dqa + ((Pd.unsqueeze(-1) * d) * kb.unsqueeze(-3)).sum(-2)
-                x = x + ((Md.unsqueeze(-1) * d) * kb.unsqueeze(-3)).sum(-2)
-                dka = dka + ((Pd.unsqueeze(-1) * d) * qb.unsqueeze(-2)).sum(-3) \
-                          + ((Md.unsqueeze(-1) * d) * kbb.unsqueeze(-2)).sum(-3)
+                oh = onehot[:, :, None]          # the diagonal pairs belong to the own block
+                dqa = dqa + ((Pd.unsqueeze(-1) * d) * kb.unsqueeze(-3)).sum(-2).unsqueeze(-2) * oh
+                x = x + ((Md.unsqueeze(-1) * d) * kb.unsqueeze(-3)).sum(-2).unsqueeze(-2) * oh
+                dka = dka + (((Pd.unsqueeze(-1) * d) * qb.unsqueeze(-2)).sum(-3)
+                             + ((Md.unsqueeze(-1) * d) * kbb.unsqueeze(-2)).sum(-3)).unsqueeze(-2) * oh
             res[path] = (dqa, x, dka)
-        f = fast[..., None, None]
+        f = fast[..., None, None, None]
         outs.append([torch.where(f, a, b) for a, b in zip(res["fast"], res["exact"])])
     return [torch.cat([o[n] for o in outs], -1) for n in range(3)]

@@ -31,14 +31,14 @@ X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between pha
 of Tm's shape. All of this is fp32 (the inverse merges in tf32); the W, U dots are bf16 in the bf16 forward
 (below), tf32 otherwise.
 Storage, two modes (``lowp``, see IntraOut):
-* forward (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam) in bf16, so that W and U
-  are bf16 dots (o 2.38e-3 -> 2.90e-3 relative RMS in benchmarks/precision_bf16.py); W, qg, U, Aqk and kd
-  in bf16, so that every dot of the state pass is a bf16 dot; kd goes out transposed, one [K, BT] block per (chunk, value head) (``kdt``), so the state pass
-  loads kd^T as a plain row-major tile. Rounding U, Aqk, kd, W, qg and the dot operands S and Vn to bf16
-  together costs ~2.4e-3 relative RMS on the output and on the final state vs fp64 (U, Aqk or Vn alone
-  ~1.6e-3, since U - W S cancels; kd alone ~1.7e-3 on the state; W, qg and S together ~3e-4:
-  benchmarks/precision_bf16.py).
-* otherwise (the backward's recompute, fp16 and fp32 inputs): everything fp32 and token-major, kd as
+* forward and the backward's recompute (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam)
+  in bf16, so that W and U are bf16 dots (o 2.38e-3 -> 2.90e-3 relative RMS in benchmarks/precision_bf16.py);
+  W, qg, U, Aqk and kd in bf16, so that every dot of the state pass is a bf16 dot; kd goes out transposed, one
+  [K, BT] block per (chunk, value head) (``kdt``), so the state pass loads kd^T as a plain row-major tile.
+  Rounding U, Aqk, kd, W, qg and the dot operands S and Vn to bf16 together costs ~2.4e-3 relative RMS on the
+  output and on the final state vs fp64 (U, Aqk or Vn alone ~1.6e-3, since U - W S cancels; kd alone ~1.7e-3
+  on the state; W, qg and S together ~3e-4: benchmarks/precision_bf16.py).
+* otherwise (fp16 and fp32 inputs, or lowp off): everything fp32 and token-major, kd as
   [B, T, HV, K] (fp16's range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
 reach 2^SPAN, past fp16's range).
@@ -383,7 +383,7 @@ def chunk_kda_fwd_intra(
     """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
     A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
     lowp: when v is bf16, store W, qg, U, Aqk in bf16 and kd transposed per chunk in bf16 (``kdt``: what the
-    forward's state pass reads); fp32 and token-major otherwise.
+    forward's state pass reads; the backward's recompute uses it too); fp32 and token-major otherwise.
     saved: (Aqk, Tm) of a forward with the same inputs and lowp (the backward): taken as they are, and the
     kernel skips Aqk, L and the inverse (the bulk of its work); W, U and the rest are computed as always.
 

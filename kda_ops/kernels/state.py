@@ -15,8 +15,9 @@ Operands, two modes (see intra.IntraOut):
   (benchmarks/precision_bf16.py; the GPU tests' bound for bf16 is 5e-3). (kd^T used to be loaded through a
   transposed pointer pattern; a bf16 tile loaded that way faulted in shared memory at K = 100 and 128 with
   triton 3.6 on the H200, hence the transposed storage.)
-* otherwise (the backward's recompute, fp16 / fp32 inputs): every operand fp32 and token-major, kd^T read
-  through a transposed pointer pattern, every dot in tf32 (IEEE fp32 for fp32 inputs).
+* otherwise (fp16 / fp32 inputs; the backward's recompute of a bf16 op takes the bf16 mode): every operand
+  fp32 and token-major, kd^T read through a transposed pointer pattern, every dot in tf32 (IEEE fp32 for fp32
+  inputs).
 Fusing the output here means the per-chunk states never go through device memory in the plain
 forward; a backward that needs them asks for them (STORE_H) together with Vn (STORE_VN).
 """
@@ -35,7 +36,7 @@ from .intra import IntraOut
 @triton.autotune(
     configs=autotune_configs([
         # one pipeline stage first (it fits at every K); two stages fit up to K = 128 (bf16 forward at BV = 32:
-        # 128 KB; the fp32 recompute: 160 KB) and at K = 256 only with BV = 16 in the bf16 forward (220 KB; sm_90
+        # 128 KB; fp32 operands: 160 KB) and at K = 256 only with BV = 16 in the bf16 forward (220 KB; sm_90
         # allows 227 KB); configs that do not fit are skipped (benchmarks/NOTES.md: shared memory per config).
         # (BV = 16 with 8 warps gave wrong results with triton 3.6 on the H200 (tests/test_gpu_configs.py) and
         # faulted at large shapes: not listed.)
@@ -66,7 +67,7 @@ def chunk_kda_fwd_kernel_state(
     UPCAST (interpreter, whose 16-bit dots are wrong): operands rounded to their storage dtype (bf16 or
     fp32) are multiplied in fp32."""
     # operand dtypes: S goes into the dots in W's dtype (W S, qg S), Vn in Aqk's (Aqk Vn, kd^T Vn): bf16 in a
-    # bf16 forward, fp32 otherwise (fp16 / fp32 inputs, the recompute)
+    # bf16 forward and its recompute, fp32 otherwise (fp16 / fp32 inputs)
     S_DT = W.dtype.element_ty
     VN_DT = Aqk.dtype.element_ty
     if UPCAST:
