@@ -62,7 +62,7 @@ def fn_kda_ops(x, D, backward):
         from kda_ops.kernels import chunk_kda_fwd_triton
 
         def f():
-            o, _ = chunk_kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+            o, *_ = chunk_kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
                                         None, None, D ** -0.5, None, True, True, True, False, False)
             return o
     else:
@@ -154,8 +154,10 @@ def time_bwd_stages(x, D):
     scale = D ** -0.5
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
     out = {}
-    f_intra = lambda: chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, scale, None,  # noqa: E731
-                                          True, True, True, False, lowp=True)
+    args = (q, k, v, g, beta, A_log, dt_bias, None, scale, None, True, True, True, False)
+    fwd = chunk_kda_fwd_intra(*args, lowp=True)
+    # the backward's recompute: with the forward's Aqk and Tm, as chunk_kda_bwd_triton runs it under autograd
+    f_intra = lambda: chunk_kda_fwd_intra(*args, lowp=True, saved=(fwd.Aqk, fwd.Tm))  # noqa: E731
     intra = f_intra()
     out["bwd_stage_intra_ms"] = bench(f_intra)
     f_st = lambda: chunk_kda_fwd_state(intra, None, None, False, v.dtype, store_o=False,  # noqa: E731
@@ -168,8 +170,8 @@ def time_bwd_stages(x, D):
     dh, dvn, _ = f_sb()
     out["bwd_stage_state_bwd_ms"] = bench(f_sb)
     rq, rk = intra.rq, intra.rk
-    f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm, intra.W,  # noqa: E731
-                                       intra.U, st.h, st.vn, do, dh, dvn, None, scale)
+    f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm,  # noqa: E731
+                                       st.h, st.vn, do, dh, dvn, None, scale)
     dq, dk, dgam, dv, dAqk, dM, dbeta_p = f_in()
     out["bwd_stage_inter_ms"] = bench(f_in)
     f_ib = lambda: chunk_kda_bwd_intra(q, k, rq, rk, intra.gam, intra.beta, dAqk, dM, dq.clone(),  # noqa: E731

@@ -77,9 +77,10 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
-             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16')
+             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False)
     c.update(flags)
-    comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}")
+    tag = '_saved' if c['SAVED_A'] else ''
+    comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}")
 
 
 def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
@@ -120,6 +121,8 @@ def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
              'dM','dbeta','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
     types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*2 + [f'*{wdt}']*3 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
              + ['*fp32']*3 + ['*i32']*2 + ['fp32'] + ['i32']*5)
+    if 'W' not in chunk_kda_bwd_kernel_inter.fn.arg_names:     # dM from Vn: the kernel takes neither W nor U
+        del types[8:10], names[8:10]
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
     comp(chunk_kda_bwd_kernel_inter, names, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
 
@@ -152,6 +155,9 @@ if __name__ == '__main__':
     what = sys.argv[1:] or ['intra', 'wu', 'state']
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
+        for (BK, w) in ((32, 8), (64, 8), (32, 4)):     # the backward's recompute with the forward's Aqk, Tm
+            intra(BK=BK, w=w, SAVED_A=True)
+        intra(K=256, SAVED_A=True); intra('fp32', K=100, SAVED_A=True)
     if 'wu' in what:
         for (BK, w, st) in [(cf.kwargs['BK'], cf.num_warps, cf.num_stages) for cf in chunk_kda_fwd_kernel_wu.configs]:
             for K in (128, 256, 100):

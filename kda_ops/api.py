@@ -161,7 +161,7 @@ def chunk_kda(
     _validate(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, lower_bound, A_log,
               dt_bias, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, final_state = torch.ops.kda_ops.chunk_kda_fwd(
+    o, final_state, _, _ = torch.ops.kda_ops.chunk_kda_fwd(     # (Aqk, Tm: kept for the backward only)
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
         None if lower_bound is None else float(lower_bound),
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,

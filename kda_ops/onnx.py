@@ -307,13 +307,27 @@ def _linear_attention_translation(q, k, v, g, beta, A_log, dt_bias, initial_stat
     return op.CastLike(o, v), ht
 
 
+def _with_saved(translate):
+    """chunk_kda_fwd's translation: its two outputs kept for the backward (Aqk, Tm) have no use in an
+    inference graph; they become empty tensors (the torch implementation returns empties too)."""
+    def chunk(*args, **kwargs):
+        o, ht = translate(*args, **kwargs)
+        empty = op.ConstantOfShape(op.Constant(value_ints=[0]))
+        return o, ht, empty, op.Identity(empty)
+    chunk.__name__ = f"{getattr(translate, '__name__', 'kda_ops')}_fwd"
+    return chunk
+
+
 def custom_translation_table(mode: str = "function") -> dict:
     """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)``; follow with :func:`finalize`."""
     if mode not in MODES:
         raise ValueError(f"unknown kda_ops ONNX mode {mode!r}; choose one of {MODES}")
-    return {getattr(torch.ops.kda_ops, name).default:
-            (_function_translation(onnx_name) if mode == "function" else _linear_attention_translation)
-            for name, onnx_name in OP_NAMES.items()}
+    table = {}
+    for name, onnx_name in OP_NAMES.items():
+        translate = _function_translation(onnx_name) if mode == "function" else _linear_attention_translation
+        table[getattr(torch.ops.kda_ops, name).default] = (
+            _with_saved(translate) if name == "chunk_kda_fwd" else translate)
+    return table
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,12 +5,15 @@ Triton kernels on CUDA and torch.export keeps each as one node:
 
     chunk_kda_fwd(q, k, v, g, beta, A_log?, dt_bias?, initial_state?, cu_seqlens?, scale, lower_bound?,
                   use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
-        -> (o [B, T, HV, V], final_state [N, HV, K, V] or empty)
-    chunk_kda_bwd(do, dht?, <the forward's inputs but output_final_state>)
+        -> (o [B, T, HV, V], final_state [N, HV, K, V] or empty, Aqk, Tm)
+    chunk_kda_bwd(do, dht?, <the forward's inputs but output_final_state>, saved_Aqk?, saved_Tm?)
         -> (dq, dk, dv, dg, dbeta, dA_log or empty, ddt_bias or empty, dh0 or empty)
     recurrent_kda(<the forward's inputs, initial_state required>) -> (o, final_state)   # decode step
 
 A ``triton_op`` cannot return None: an absent output is an empty tensor, mapped back to None in api.py.
+Aqk and Tm are what the forward keeps for the backward beyond its inputs (on CUDA: the intra-chunk stage's
+[B, T, HV, 64] Aqk and (I + L)^-1, bf16 for bf16 v, else fp32; elsewhere empty): the backward takes them
+instead of recomputing them, which is most of the intra stage's work. api.py drops them.
 CUDA runs our Triton kernels (kda_ops/kernels); every other device runs the torch implementation of
 reference.py behind an opaque ``custom_op`` (``*_torch``): its Python loop over chunks would otherwise
 specialise the sequence length under torch.compile and recompile for every new length.
@@ -110,8 +113,25 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale
     return o, q.new_empty(_EMPTY_SHAPE, dtype=_state_dtype(q))
 
 
+def _saved_fake(q, v):
+    """(Aqk, Tm) as chunk_kda_fwd returns them: [B, T, HV, 64] on CUDA (kernels.intra's storage dtype), else
+    empty."""
+    if q.device.type != "cuda":
+        return tuple(q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) for _ in range(2))
+    B, T, HV = v.shape[:3]
+    dtype = v.dtype if v.dtype == torch.bfloat16 else torch.float32
+    return tuple(q.new_empty(B, T, HV, kernels.BT, dtype=dtype) for _ in range(2))
+
+
+def _fwd_op_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                 use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state):
+    o, ht = _fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                      use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+    return (o, ht, *_saved_fake(q, v))
+
+
 def _bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-              use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval):
+              use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, saved_Aqk=None, saved_Tm=None):
     # Gradients are contiguous whatever the strides of the inputs (both implementations write them fresh).
     grad = lambda x: q.new_empty(x.shape, dtype=x.dtype)  # noqa: E731
     absent = lambda: q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)  # noqa: E731
@@ -142,16 +162,17 @@ def chunk_kda_fwd(
     scale: float, lower_bound: Optional[float],
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
     output_final_state: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
-        o, ht = kernels.chunk_kda_fwd_triton(
+        o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
             use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
-        return o, _or_empty(ht, q, torch.float32)
-    return torch.ops.kda_ops.chunk_kda_fwd_torch(
+        return o, _or_empty(ht, q, torch.float32), Aqk, Tm
+    o, ht = torch.ops.kda_ops.chunk_kda_fwd_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+    return (o, ht, *_saved_fake(q, v))     # (the torch implementation recomputes everything: two empties)
 
 
 @triton_op("kda_ops::chunk_kda_bwd", mutates_args={})
@@ -162,13 +183,17 @@ def chunk_kda_bwd(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     scale: float, lower_bound: Optional[float],
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    saved_Aqk: Optional[Tensor] = None, saved_Tm: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
+        # the forward's (Aqk, Tm) when it kept them (four-dimensional), else recomputed
+        keep = saved_Aqk is not None and saved_Tm is not None and saved_Aqk.dim() == 4 and saved_Tm.dim() == 4
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
             do.contiguous(), None if dht is None else dht.contiguous(),
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval,
+            (saved_Aqk.contiguous(), saved_Tm.contiguous()) if keep else None)
         return (dq, dk, dv, dg, dbeta, _or_empty(dA_log, q, torch.float32),
                 _or_empty(ddt_bias, q, torch.float32), _or_empty(dh0, q, torch.float32))
     return torch.ops.kda_ops.chunk_kda_bwd_torch(
@@ -194,27 +219,28 @@ def recurrent_kda(
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
 
 
-chunk_kda_fwd.register_fake(_fwd_fake)
+chunk_kda_fwd.register_fake(_fwd_op_fake)
 chunk_kda_bwd.register_fake(_bwd_fake)
 recurrent_kda.register_fake(_recurrent_fake)
 
 
 # ----------------------------------------------------------------------------------------------
-# Autograd: the forward keeps only its inputs; the backward op recomputes the rest.
+# Autograd: the forward keeps its inputs and (Aqk, Tm); the backward op recomputes the rest.
 # ----------------------------------------------------------------------------------------------
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
      use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, output[2], output[3])
     ctx.flags = (scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
     ctx.output_final_state = output_final_state
 
 
-def _fwd_backward(ctx, do, dht):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+def _fwd_backward(ctx, do, dht, _dAqk, _dTm):
+    # Aqk and Tm are kept for the backward only; api.py never returns them, so nothing flows back through them
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm = ctx.saved_tensors
     dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = torch.ops.kda_ops.chunk_kda_bwd(
-        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags)
+        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags, Aqk, Tm)
     return (dq, dk, dv, dg, dbeta,
             None if A_log is None else dA_log,
             None if dt_bias is None else ddt_bias,

@@ -339,15 +339,14 @@ def chunk_kda_bwd_torch(
     dkd = vn @ tr(dSn)                                                # [.., C, K]
     dgam_last = x.eg_last * (dSn * states).sum(-1)                    # from diag(exp(Gam_last)) S
     dw = -dvn @ tr(states)
-    # U = Tm (beta v), W = Tm (beta kg)
-    xu, xw = p['beta'][..., None] * p['v'], p['beta'][..., None] * x.kg
+    # U = Tm xu, W = Tm xw with xu = beta v, xw = beta kg
     dxu, dxw = tr(x.tm) @ dvn, tr(x.tm) @ dw
     dv = p['beta'][..., None] * dxu
     dkg = p['beta'][..., None] * dxw
     dbeta = (dxu * p['v']).sum(-1) + (dxw * x.kg).sum(-1)
-    # Tm = M^-1, M = I + diag(beta) Akk  =>  dM = -Tm^T dTm Tm^T
-    dtm = dvn @ tr(xu) + dw @ tr(xw)
-    dm = (-tr(x.tm) @ dtm @ tr(x.tm)).masked_fill(~x.strict, 0)
+    # Tm = M^-1, M = I + diag(beta) Akk  =>  dM = -Tm^T dTm Tm^T, dTm = dVn xu^T + dW xw^T; with U = Tm xu,
+    # W = Tm xw and dW = -dVn S^T: dTm Tm^T = dVn (U - W S)^T = dVn Vn^T
+    dm = (-dxu @ tr(vn)).masked_fill(~x.strict, 0)
     dbeta = dbeta + (dm * x.akk).sum(-1)
     dakk = p['beta'][..., None] * dm
 

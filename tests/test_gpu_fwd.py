@@ -115,7 +115,7 @@ def rel_rms(a, b) -> float:
 def test_chunk_kda_fwd_triton(c: Case):
     from kda_ops.kernels import chunk_kda_fwd_triton
     x = make_inputs(c)
-    o, ht = chunk_kda_fwd_triton(
+    o, ht, _, _ = chunk_kda_fwd_triton(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
         x["cu_seqlens"], c.D ** -0.5, c.lower_bound if c.gate else None,
         c.l2norm, c.gate, c.beta_sigmoid, c.neg_eigval, True)

@@ -3,7 +3,8 @@
 TRITON_INTERPRET=1 must be set before triton is imported, so the pytest test below runs this file as a
 script in a subprocess with the variable set and checks the JSON it prints: for every case, the relative
 RMS error ||a - b|| / ||b|| of each gradient of kda_ops.kernels.chunk_kda_bwd_triton (which recomputes the
-forward with the forward stages) against autograd through kda_ops.reference.naive_recurrent_kda in float64.
+forward with the forward stages) against autograd through kda_ops.reference.naive_recurrent_kda in float64,
+and that the backward given the forward's (Aqk, Tm) (what the op keeps) returns exactly the same gradients.
 
     python -m pytest tests/test_kernels_bwd.py            # the CI test (< 1 min on 2 cores)
     TRITON_INTERPRET=1 python tests/test_kernels_bwd.py   # the same cases, one JSON line each
@@ -46,10 +47,11 @@ def cases():
 
 
 def run_case(case, seed=0, with_dht=True):
-    """Returns {grad name: relative RMS error} for one case (names missing on either side -> 'missing')."""
+    """Returns ({grad name: relative RMS error} (names missing on either side -> 'missing'), whether the
+    backward with the forward's saved (Aqk, Tm) gave bitwise the same gradients) for one case."""
     import torch
     from kda_case import reference_grads, rel_rms
-    from kda_ops.kernels import chunk_kda_bwd_triton
+    from kda_ops.kernels import chunk_kda_bwd_triton, chunk_kda_fwd_triton
 
     inputs, kw = case.make("cpu", seed)
     q, k, v, g, beta = inputs
@@ -62,11 +64,15 @@ def run_case(case, seed=0, with_dht=True):
     do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(v.dtype)
     dht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64).float()
     ref = reference_grads(inputs, kw, do, dht if with_dht else torch.zeros_like(dht))
-    out = chunk_kda_bwd_triton(
-        do, dht if with_dht else None, q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias"),
-        kw.get("initial_state"), kw.get("cu_seqlens"), K ** -0.5, kw.get("lower_bound"),
-        kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
-        kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
+    args = (q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"), kw.get("cu_seqlens"),
+            K ** -0.5, kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False),
+            kw.get("use_gate_in_kernel", False), kw.get("use_beta_sigmoid_in_kernel", False),
+            kw.get("allow_neg_eigval", False))
+    out = chunk_kda_bwd_triton(do, dht if with_dht else None, *args)
+    _, _, Aqk, Tm = chunk_kda_fwd_triton(*args, False)
+    out_saved = chunk_kda_bwd_triton(do, dht if with_dht else None, *args, (Aqk, Tm))
+    same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(out, out_saved))
     errs = {}
     for name, x in zip(GRADS, out):
         if (name in ref) != (x is not None):
@@ -74,7 +80,7 @@ def run_case(case, seed=0, with_dht=True):
         elif x is not None:
             assert x.dtype == ref_dtype(name, inputs, kw), (name, x.dtype)
             errs[name] = rel_rms(x, ref[name])
-    return errs
+    return errs, same
 
 
 def ref_dtype(name, inputs, kw):
@@ -90,7 +96,7 @@ def test_kernels_bwd_interpreter():
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(cases()) + 1, proc.stdout
-    bad = []
+    bad = [f"{r['id']}: the backward with the saved (Aqk, Tm) differs" for r in results if not r["saved_equal"]]
     for r in results:
         tol = TOL if "float32" in r["id"] else {n: TOL_BF16 for n in GRADS}
         for name, e in r["errs"].items():
@@ -105,6 +111,8 @@ if __name__ == "__main__":
     import torch
     torch.set_num_threads(2)
     for c in cases():
-        print(json.dumps(dict(id=c.id, errs=run_case(c))), flush=True)
+        errs, same = run_case(c)
+        print(json.dumps(dict(id=c.id, errs=errs, saved_equal=same)), flush=True)
     c = cases()[3]
-    print(json.dumps(dict(id=c.id + "-nodht", errs=run_case(c, seed=3, with_dht=False))), flush=True)
+    errs, same = run_case(c, seed=3, with_dht=False)
+    print(json.dumps(dict(id=c.id + "-nodht", errs=errs, saved_equal=same)), flush=True)

@@ -72,7 +72,7 @@ def run_case(c: Case, over: dict):
     A_log = kw.get("A_log")
     dt_bias = kw.get("dt_bias")
     with mock.patch("torch.empty", nan_empty):
-        o, ht = chunk_kda_fwd_triton(
+        o, ht, _, _ = chunk_kda_fwd_triton(
             q, k, v, g, beta, A_log, dt_bias, kw.get("initial_state"), kw.get("cu_seqlens"), c.K ** -0.5,
             kw.get("lower_bound"), c.in_op, c.in_op, c.in_op, c.allow_neg_eigval, True)
     d = lambda x: None if x is None else x.double()  # noqa: E731

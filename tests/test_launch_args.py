@@ -50,9 +50,10 @@ def record_launches():
         (q, k, v, g, beta), kw = c.make()
         args = (q, k, v, g.float(), beta.float(), kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"),
                 kw.get("cu_seqlens"), 16 ** -0.5, kw.get("lower_bound"), full, full, full, False)
-        chunk_kda_fwd_triton(*args, full)
+        _, _, Aqk, Tm = chunk_kda_fwd_triton(*args, full)
         dht = torch.randn(2, 2, 16, 16) if full else None
         chunk_kda_bwd_triton(torch.randn_like(v), dht, *args)
+        chunk_kda_bwd_triton(torch.randn_like(v), dht, *args, (Aqk, Tm))    # with the forward's saved Aqk, Tm
         h0 = kw.get("initial_state")
         recurrent_kda_triton(*args[:7], h0 if h0 is not None else torch.zeros(2, 2, 16, 16), *args[8:])
     return launches

@@ -6,7 +6,8 @@
     recurrent.py  recurrent_kda_triton   (decode step)
 """
 from .bwd import chunk_kda_bwd_triton
+from .common import BT
 from .fwd import chunk_kda_fwd_triton
 from .recurrent import recurrent_kda_triton
 
-__all__ = ["chunk_kda_fwd_triton", "chunk_kda_bwd_triton", "recurrent_kda_triton"]
+__all__ = ["BT", "chunk_kda_fwd_triton", "chunk_kda_bwd_triton", "recurrent_kda_triton"]

@@ -5,10 +5,13 @@ gradient of the state leaving it (stage 1), dVn from stage 1, and U = Tm (beta v
 
     dAqk = dO Vn^T (causal)                      dXu = Tm^T dVn        dv = beta dXu
     dW   = -dVn S^T                              dXw = Tm^T dW         dkg = beta dXw
-    dM   = -(dXu U^T + dXw W^T) (strictly lower) dbeta  = <dXu, v> + <dXw, k exp(Gam)>   (partial)
+    dM   = -dXu Vn^T (strictly lower)            dbeta  = <dXu, v> + <dXw, k exp(Gam)>   (partial)
     dq   = scale (dO S^T) exp(Gam)
     dk   = dkg exp(Gam) + (Vn dS^T) exp(Gam_last - Gam)
     dGam = dq q + dkg k exp(Gam) - (Vn dS^T) k exp(Gam_last - Gam)  (+ the chunk-end row terms)
+
+dM is the gradient through the inverse, -(dXu U^T + dXw W^T) = -Tm^T dVn (U - W S)^T, and U - W S = Vn: one
+[BT, V] @ [V, BT] product on the V side, with neither U nor W read and no sum across the K-block programs.
 
 The pairwise (intra-chunk) terms through Aqk and Akk are added by stage 3 (intra_bwd.py), which also
 does the reverse in-chunk cumsum.
@@ -48,22 +51,23 @@ def load_rows(x, r, o_t, m_t, o_k, m_k, sx, sr, USE_L2NORM: tl.constexpr):
         # 4-warp configs above spill 400-670 bytes per thread at BK 64 and none at BK 32 (250-255 registers)
         triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=3),
         triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=1),
+        # (BK 32, BV 64, 4 warps, 1 stage) faulted (CUDA illegal memory access) at K = V = 64 with this kernel,
+        # alone of its configs, on the H200 (triton 3.6; results/gpu_session_2026-11-30h_H200.md, call 3)
         triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
     ]),
     key=["K", "V", "PREC", "TUNE_SIZE"],
-    reset_to_zero=["dM", "dbeta"],
+    reset_to_zero=["dbeta"],
 )
 @triton.jit
 def chunk_kda_bwd_kernel_inter(
-    q, k, rq, rk, v, gam, beta, Tm, W, U, h, vn, do, dh, dvn,   # inputs
-    dq, dk, dgam, dv, dAqk, dM, dbeta,                          # outputs (dM, dbeta: zeroed, accumulated)
+    q, k, rq, rk, v, gam, beta, Tm, h, vn, do, dh, dvn,         # inputs
+    dq, dk, dgam, dv, dAqk, dM, dbeta,                          # outputs (dbeta: zeroed, accumulated)
     cu_seqlens, chunk_indices, scale, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
 ):
     """Grid (cdiv(K, BK) + 1, NT_total, HV): program i_k < cdiv(K, BK) does K-block i_k (dq, dk, dGam and
-    its share of dM, dbeta); the last one does the V side (dAqk, dv and its share of dM, dbeta)."""
+    its share of dbeta); the last one does the V side (dAqk, dM, dv and its share of dbeta)."""
     i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -85,14 +89,12 @@ def chunk_kda_bwd_kernel_inter(
     rk += t0 * H + i_h
     off_v = t0 * sv + i_hv * V
     v += off_v
-    U += off_v
     vn += off_v
     do += off_v
     dvn += off_v
     dv += off_v
     off_k = t0 * sg + i_hv * K
     gam += off_k
-    W += off_k
     dq += off_k
     dk += off_k
     dgam += off_k
@@ -110,12 +112,12 @@ def chunk_kda_bwd_kernel_inter(
     # [BT(i), BT(j)], unit lower triangular
     b_tm = tl.load(Tm + o_c[:, None] * sa + o_c[None, :], mask=m_t[:, None], other=0.0)
     b_tm = tl.where(o_c[:, None] >= o_c[None, :], b_tm, 0.0).to(DOT_DT)
-    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
 
     if i_k == tl.cdiv(K, BK):
-        # ---- V side: dAqk = dO Vn^T, dXu = Tm^T dVn, dv = beta dXu, dM += dXu U^T, dbeta += <dXu, v>
+        # ---- V side: dAqk = dO Vn^T, dXu = Tm^T dVn, dv = beta dXu, dM = -dXu Vn^T, dbeta += <dXu, v>
         b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dm = tl.zeros([BT, BT], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -125,7 +127,6 @@ def chunk_kda_bwd_kernel_inter(
             b_vn = tl.load(vn + p_tv, mask=m_tv, other=0.0).to(DOT_DT)
             b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0).to(DOT_DT)
             b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-            b_u = tl.load(U + p_tv, mask=m_tv, other=0.0).to(DOT_DT)
             # [BT, BV] @ [BV, BT] -> [BT, BT]
             b_daqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
             # [BT, BT]^T @ [BT, BV] -> [BT, BV]
@@ -133,11 +134,12 @@ def chunk_kda_bwd_kernel_inter(
             tl.store(dv + p_tv, (b_dxu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
             b_db += tl.sum(b_dxu * b_v, 1)
             # [BT, BV] @ [BV, BT] -> [BT, BT]
-            b_dm += tl.dot(b_dxu.to(DOT_DT), tl.trans(b_u), input_precision=PREC)
+            b_dm += tl.dot(b_dxu.to(DOT_DT), tl.trans(b_vn), input_precision=PREC)
         p_tc = o_c[:, None] * sa + o_c[None, :]
         tl.store(dAqk + p_tc, tl.where(o_c[:, None] >= o_c[None, :], f_scale * b_daqk, 0.0), mask=m_t[:, None])
+        tl.store(dM + p_tc, tl.where(o_c[:, None] > o_c[None, :], -b_dm, 0.0), mask=m_t[:, None])
     else:
-        # ---- K-block i_k: dq, dk, dGam through the state and W; dM += dXw W^T, dbeta += <dXw, k exp2(gam)>
+        # ---- K-block i_k: dq, dk, dGam through the state and dW; dbeta += <dXw, k exp2(gam)>
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
@@ -172,7 +174,6 @@ def chunk_kda_bwd_kernel_inter(
         b_q = load_rows(q, rq, o_c, m_t, o_k, m_k, sq, H, USE_L2NORM)
         b_k = load_rows(k, rk, o_c, m_t, o_k, m_k, sq, H, USE_L2NORM)
         b_g = tl.load(gam + p_tk, mask=m_tk, other=0.0)
-        b_w = tl.load(W + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         # [BK]
         b_gl = tl.load(gam + t_last * sg + o_k, mask=m_k, other=0.0)
         # gam <= 0 and gam_last - gam <= 0: both factors are bounded by 1
@@ -180,8 +181,6 @@ def chunk_kda_bwd_kernel_inter(
         b_ed = tl.where(m_tk, tl.exp2(b_gl[None, :] - b_g), 0.0)
         # [BT, BT]^T @ [BT, BK] -> [BT, BK]
         b_dxw = tl.dot(tl.trans(b_tm), b_dw.to(DOT_DT), input_precision=PREC)
-        # [BT, BK] @ [BK, BT] -> [BT, BT]
-        b_dm += tl.dot(b_dxw.to(DOT_DT), tl.trans(b_w), input_precision=PREC)
         b_kg = b_k * b_eg
         b_kd = b_k * b_ed
         b_db += tl.sum(b_dxw * b_kg, 1)
@@ -196,30 +195,27 @@ def chunk_kda_bwd_kernel_inter(
         tl.store(dk + p_tk, b_dk, mask=m_tk)
         tl.store(dgam + p_tk, b_dgam, mask=m_tk)
 
-    # dM = -(dXu U^T + dXw W^T), strictly lower; the programs of one chunk add their shares
-    p_tc = o_c[:, None] * sa + o_c[None, :]
-    m_low = m_t[:, None] & (o_c[:, None] > o_c[None, :])
-    tl.atomic_add(dM + p_tc, -b_dm, mask=m_low, sem="relaxed")
+    # the programs of one chunk add their shares of dbeta
     tl.atomic_add(dbeta + o_c * HV, b_db, mask=m_t, sem="relaxed")
 
 
 def chunk_kda_bwd_inter(
     q: torch.Tensor, k: torch.Tensor, rq: Optional[torch.Tensor], rk: Optional[torch.Tensor],
-    v: torch.Tensor, gam: torch.Tensor, beta: torch.Tensor, Tm: torch.Tensor, W: torch.Tensor,
-    U: torch.Tensor, h: torch.Tensor, vn: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, dvn: torch.Tensor,
+    v: torch.Tensor, gam: torch.Tensor, beta: torch.Tensor, Tm: torch.Tensor,
+    h: torch.Tensor, vn: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, dvn: torch.Tensor,
     cu_seqlens: Optional[torch.Tensor], scale: float,
 ):
     """Stage 2 launcher.
 
     q, k [B, T, H, K] raw, rq, rk [B, T, H] fp32 l2norm row factors (or None: no l2norm);
-    v, U, vn, do [B, T, HV, V]; dvn [B, T, HV, V] (stage 1); gam [B, T, HV, K] fp32 (log2);
-    beta [B, T, HV] activated; Tm [B, T, HV, 64]; W [B, T, HV, K]; h, dh [NT_total, HV, K, V].
+    v, vn, do [B, T, HV, V]; dvn [B, T, HV, V] (stage 1); gam [B, T, HV, K] fp32 (log2);
+    beta [B, T, HV] activated; Tm [B, T, HV, 64]; h, dh [NT_total, HV, K, V].
     Returns fp32 (dq, dk, dgam) [B, T, HV, K] (the terms through the state and Tm), dv [B, T, HV, V]
     (final, v.dtype), fp32 dAqk (= scale dO Vn^T, causal) and dM (strictly lower) [B, T, HV, 64],
     fp32 dbeta (partial) [B, T, HV].
 
     >>> dq, dk, dgam, dv, dAqk, dM, dbeta = chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta,
-    ...     intra.Tm, intra.W, intra.U, st.h, st.vn, do, dh, dvn, None, K ** -0.5)
+    ...     intra.Tm, st.h, st.vn, do, dh, dvn, None, K ** -0.5)
     """
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
@@ -230,7 +226,7 @@ def chunk_kda_bwd_inter(
     dgam = torch.empty(B, T, HV, K, dtype=f32, device=dev)
     dv = torch.empty_like(v)
     dAqk = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
-    dM = torch.zeros(B, T, HV, BT, dtype=f32, device=dev)
+    dM = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     dbeta = torch.zeros(B, T, HV, dtype=f32, device=dev)
     pick = lambda x: absent(x, gam)  # noqa: E731
 
@@ -238,7 +234,7 @@ def chunk_kda_bwd_inter(
         return (triton.cdiv(K, meta["BK"]) + 1, layout.NT_total, HV)
 
     torch.library.wrap_triton(chunk_kda_bwd_kernel_inter)[grid](
-        q, k, pick(rq), pick(rk), v, gam, beta, Tm, W, U, h, vn, do, dh, dvn,
+        q, k, pick(rq), pick(rk), v, gam, beta, Tm, h, vn, do, dh, dvn,
         dq, dk, dgam, dv, dAqk, dM, dbeta,
         pick(cu_seqlens), pick(layout.chunk_indices), float(scale), T, layout.N, H, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT,

@@ -45,7 +45,7 @@ reach 2^SPAN, past fp16's range).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -85,7 +85,7 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),   # 255 regs: two programs per SM
     ]),
-    key=["K", "USE_L2NORM", "USE_GATE", "PREC", "TUNE_SIZE"],
+    key=["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE"],
 )
 @triton.jit
 def chunk_kda_fwd_kernel_intra(
@@ -101,10 +101,11 @@ def chunk_kda_fwd_kernel_intra(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
-    INV_PREC: tl.constexpr, KD_T: tl.constexpr,
+    INV_PREC: tl.constexpr, KD_T: tl.constexpr, SAVED_A: tl.constexpr,
 ):
     """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
-    follow from Tm and kbg in chunk_kda_fwd_kernel_wu."""
+    follow from Tm and kbg in chunk_kda_fwd_kernel_wu. SAVED_A (the backward, with the forward's Aqk and Tm
+    kept): only gam, beta, the l2norm factors, kd, qg and kbg; Aqk, Tm and scr are not touched."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -186,94 +187,96 @@ def chunk_kda_fwd_kernel_intra(
             tl.store(kd + o_t[:, None] + o_k[None, :] * BT, b_kd, mask=m_k[None, :])
         else:
             tl.store(kd + o_tk, b_kd, mask=m_tk)
-        # Fast path: every block (diagonal ones included) by tensor-core dots factored around the middle row
-        # m_r of its row block, when all |gam_i - gam_m(i)| <= SPAN in this K-block: the row factors
-        # exp2(gam_i - gam_m) and the own-block column factors exp2(gam_m - gam_j) then stay in
-        # [2^-SPAN, 2^SPAN] (no overflow, no flush to zero in fp32 / bf16 / tf32); earlier column blocks
-        # have factors <= 1. Entries above the diagonal come out finite and are masked after the loop.
-        o_m = tl.minimum(o_j + BC // 2, Tc - 1)                          # [BT] middle row of i's row block
-        b_dm = b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)   # [BT, BK]
-        if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= SPAN:
-            b_e = tl.exp2(b_dm)                                         # [BT, BK] exp2(gam_i - gam_m(i))
-            b_qe = b_q * b_e
-            b_ke = b_k * b_e
-            for i_r in range(BT // BC):
-                r0 = i_r * BC
-                m_r = (o_t >= r0) & (o_t < r0 + BC)                      # [BT] rows of block r
-                rm = tl.minimum(r0 + BC // 2, Tc - 1)
-                b_gm = tl.load(gam + rm * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)   # [BK]
-                # [BT, BK] column factors exp2(gam_m - gam_j): <= 1 for the earlier blocks, <= 2^SPAN in the
-                # own block (the clamp there only keeps the unused later rows finite)
-                b_x = b_gm[None, :] - b_g
-                b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, SPAN))
-                b_kc = tl.where((o_t < r0 + BC)[:, None], b_k * tl.exp2(b_x), 0.0)
-                b_kc = tl.trans(b_kc.to(DOT_DT))
-                # [BT, BK] @ [BK, BT] -> [BT, BT] (rows of block r only)
-                b_aqk += tl.dot(tl.where(m_r[:, None], b_qe, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
-                b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
-        else:
-            # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
-            for jj in range(BC):
-                o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
-                m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
-                # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
-                b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
-                b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
-                b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
-                m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
-                b_aqk_d += tl.where(m_col & (o_t >= o_jj)[:, None], tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
-                b_akk_d += tl.where(m_col & (o_t > o_jj)[:, None], tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
-            # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_{16 r}
-            for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
-                r0 = (i_r + 1) * BC
-                b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)    # [BK]
-                m_r = (o_t >= r0) & (o_t < r0 + BC)                             # [BT] rows of block r
-                # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r), exp2(gam_ref - gam_j) <= 1 (j < r0)
-                b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
-                b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
-                b_kc = tl.trans(b_kc.to(DOT_DT))
-                # [BT, BK] @ [BK, BT] -> [BT, BT]
-                b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
-                b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
-    b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
-    b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
-    # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
-    b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
-    b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
-    p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
-    tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
-    tl.store(scr + p_a, b_akk, mask=m_t[:, None])
-    tl.debug_barrier()
+        if not SAVED_A:
+            # Fast path: every block (diagonal ones included) by tensor-core dots factored around the middle row
+            # m_r of its row block, when all |gam_i - gam_m(i)| <= SPAN in this K-block: the row factors
+            # exp2(gam_i - gam_m) and the own-block column factors exp2(gam_m - gam_j) then stay in
+            # [2^-SPAN, 2^SPAN] (no overflow, no flush to zero in fp32 / bf16 / tf32); earlier column blocks
+            # have factors <= 1. Entries above the diagonal come out finite and are masked after the loop.
+            o_m = tl.minimum(o_j + BC // 2, Tc - 1)                          # [BT] middle row of i's row block
+            b_dm = b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)   # [BT, BK]
+            if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= SPAN:
+                b_e = tl.exp2(b_dm)                                         # [BT, BK] exp2(gam_i - gam_m(i))
+                b_qe = b_q * b_e
+                b_ke = b_k * b_e
+                for i_r in range(BT // BC):
+                    r0 = i_r * BC
+                    m_r = (o_t >= r0) & (o_t < r0 + BC)                      # [BT] rows of block r
+                    rm = tl.minimum(r0 + BC // 2, Tc - 1)
+                    b_gm = tl.load(gam + rm * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)   # [BK]
+                    # [BT, BK] column factors exp2(gam_m - gam_j): <= 1 for the earlier blocks, <= 2^SPAN in the
+                    # own block (the clamp there only keeps the unused later rows finite)
+                    b_x = b_gm[None, :] - b_g
+                    b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, SPAN))
+                    b_kc = tl.where((o_t < r0 + BC)[:, None], b_k * tl.exp2(b_x), 0.0)
+                    b_kc = tl.trans(b_kc.to(DOT_DT))
+                    # [BT, BK] @ [BK, BT] -> [BT, BT] (rows of block r only)
+                    b_aqk += tl.dot(tl.where(m_r[:, None], b_qe, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
+                    b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
+            else:
+                # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
+                for jj in range(BC):
+                    o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
+                    m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
+                    # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
+                    b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
+                    b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
+                    b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
+                    m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
+                    b_aqk_d += tl.where(m_col & (o_t >= o_jj)[:, None], tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
+                    b_akk_d += tl.where(m_col & (o_t > o_jj)[:, None], tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
+                # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_{16 r}
+                for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
+                    r0 = (i_r + 1) * BC
+                    b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)    # [BK]
+                    m_r = (o_t >= r0) & (o_t < r0 + BC)                             # [BT] rows of block r
+                    # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r), exp2(gam_ref - gam_j) <= 1 (j < r0)
+                    b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
+                    b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
+                    b_kc = tl.trans(b_kc.to(DOT_DT))
+                    # [BT, BK] @ [BK, BT] -> [BT, BT]
+                    b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+                    b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+    if not SAVED_A:
+        b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
+        b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
+        # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
+        b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
+        b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
+        p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
+        tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
+        tl.store(scr + p_a, b_akk, mask=m_t[:, None])
+        tl.debug_barrier()
 
-    # ---- Tm = (I + L)^-1. With Ld the diagonal 16x16 blocks of L, Lo the rest and D = (I + Ld)^-1:
-    # I + L = (I + Ld)(I + D Lo) and D Lo is strictly block lower (nilpotent, 4 blocks), so
-    # Tm = sum_{p < 4} (-D Lo)^p D, i.e. three steps of X <- D - (D Lo) X from X = D.
-    # D: the four diagonal blocks at once, [NB, BC, BC]. Ld is strictly lower in each block (Ld^16 = 0), so
-    # D = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8): six batched [NB, BC, BC] dots, three of them in sequence,
-    # in place of 15 steps of forward substitution, each with two cross-warp reductions. The dots run as
-    # tf32x3 (three tf32 products: about fp32 accuracy) for 16-bit inputs, IEEE fp32 for fp32 inputs.
-    o_b = tl.arange(0, BT // BC)
-    o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]                  # [NB, BC, 1] row in the chunk
-    o_c3 = o_b[:, None, None] * BC + o_c[None, None, :]                  # [NB, 1, BC] column in the chunk
-    p_d3 = o_r3 * sa + o_c3                                              # [NB, BC, BC]
-    m_d3 = (o_r3 < Tc) & (o_c3 < BT)                                    # [NB, BC, BC] valid rows
-    b_ld = tl.load(scr + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
-    b_d = tl.where(o_c[None, :, None] == o_c[None, None, :], 1.0, 0.0) - b_ld    # [NB, BC, BC] I - Ld
-    b_n = b_ld
-    for _ in range(3):
-        b_n = tl.dot(b_n, b_n, input_precision=INV_PREC)                # Ld^2, Ld^4, Ld^8
-        b_d += tl.dot(b_d, b_n, input_precision=INV_PREC)
-    tl.debug_barrier()                                  # every thread has read Ld
-    tl.store(scr + p_d3, b_d, mask=m_d3)
-    tl.debug_barrier()
-    m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                # [BT, BT] same diagonal block
-    b_dd = tl.load(scr + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
-    # [BT, BT] @ [BT, BT] -> [BT, BT]
-    b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
-    b_tm = b_dd
-    for _ in range(BT // BC - 1):
-        b_tm = b_dd - tl.dot(b_m, b_tm, input_precision=PREC)
-    tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
+        # ---- Tm = (I + L)^-1. With Ld the diagonal 16x16 blocks of L, Lo the rest and D = (I + Ld)^-1:
+        # I + L = (I + Ld)(I + D Lo) and D Lo is strictly block lower (nilpotent, 4 blocks), so
+        # Tm = sum_{p < 4} (-D Lo)^p D, i.e. three steps of X <- D - (D Lo) X from X = D.
+        # D: the four diagonal blocks at once, [NB, BC, BC]. Ld is strictly lower in each block (Ld^16 = 0), so
+        # D = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8): six batched [NB, BC, BC] dots, three of them in sequence,
+        # in place of 15 steps of forward substitution, each with two cross-warp reductions. The dots run as
+        # tf32x3 (three tf32 products: about fp32 accuracy) for 16-bit inputs, IEEE fp32 for fp32 inputs.
+        o_b = tl.arange(0, BT // BC)
+        o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]                  # [NB, BC, 1] row in the chunk
+        o_c3 = o_b[:, None, None] * BC + o_c[None, None, :]                  # [NB, 1, BC] column in the chunk
+        p_d3 = o_r3 * sa + o_c3                                              # [NB, BC, BC]
+        m_d3 = (o_r3 < Tc) & (o_c3 < BT)                                    # [NB, BC, BC] valid rows
+        b_ld = tl.load(scr + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
+        b_d = tl.where(o_c[None, :, None] == o_c[None, None, :], 1.0, 0.0) - b_ld    # [NB, BC, BC] I - Ld
+        b_n = b_ld
+        for _ in range(3):
+            b_n = tl.dot(b_n, b_n, input_precision=INV_PREC)                # Ld^2, Ld^4, Ld^8
+            b_d += tl.dot(b_d, b_n, input_precision=INV_PREC)
+        tl.debug_barrier()                                  # every thread has read Ld
+        tl.store(scr + p_d3, b_d, mask=m_d3)
+        tl.debug_barrier()
+        m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                # [BT, BT] same diagonal block
+        b_dd = tl.load(scr + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
+        # [BT, BT] @ [BT, BT] -> [BT, BT]
+        b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
+        b_tm = b_dd
+        for _ in range(BT // BC - 1):
+            b_tm = b_dd - tl.dot(b_m, b_tm, input_precision=PREC)
+        tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
 
 
 @triton.autotune(
@@ -375,11 +378,14 @@ def chunk_kda_fwd_intra(
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, lower_bound: Optional[float],
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool, lowp: bool = False,
+    saved: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> IntraOut:
     """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
     A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
     lowp: when v is bf16, store W, qg, U, Aqk in bf16 and kd transposed per chunk in bf16 (``kdt``: what the
     forward's state pass reads; the backward's recompute uses it too); fp32 and token-major otherwise.
+    saved: (Aqk, Tm) of a forward with the same inputs and lowp (the backward): taken as they are, and the
+    kernel skips Aqk, L and the inverse (the bulk of its work); W, U and the rest are computed as always.
 
     >>> out = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, K ** -0.5, None,
     ...                           True, True, True, False)
@@ -391,11 +397,17 @@ def chunk_kda_fwd_intra(
     f32 = torch.float32
     kd_t = lowp and v.dtype == torch.bfloat16     # fp16: S could overflow as a dot operand
     wdt = v.dtype if kd_t else f32
+    if saved is not None:
+        for name, x in zip(("Aqk", "Tm"), saved):
+            if x.shape != (B, T, HV, BT) or x.dtype != wdt or not x.is_contiguous():
+                raise ValueError(f"saved {name}: expected a contiguous {wdt} tensor of shape {(B, T, HV, BT)}, "
+                                 f"got {x.dtype} {tuple(x.shape)}")
+    Aqk, Tm = saved if saved is not None else (torch.empty(B, T, HV, BT, dtype=wdt, device=dev) for _ in range(2))
     out = IntraOut(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         beta=torch.empty(B, T, HV, dtype=f32, device=dev),
-        Aqk=torch.empty(B, T, HV, BT, dtype=wdt, device=dev),
-        Tm=torch.empty(B, T, HV, BT, dtype=wdt, device=dev),
+        Aqk=Aqk,
+        Tm=Tm,
         W=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
         U=torch.empty(B, T, HV, V, dtype=wdt, device=dev),
         kd=None if kd_t else torch.empty(B, T, HV, K, dtype=f32, device=dev),
@@ -405,7 +417,7 @@ def chunk_kda_fwd_intra(
         rk=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
     )
     # transient: the scratch of the inverse, and W's right operand beta k exp2(gam)
-    scr = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
+    scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
     grid = (layout.NT_total, HV)
     size = tune_size(B * T, HV)
@@ -422,7 +434,7 @@ def chunk_kda_fwd_intra(
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
-        INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t,
+        INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t, SAVED_A=saved is not None,
     )
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[grid](
         v, out.beta, out.Tm, kbg, out.W, out.U,
