@@ -5,13 +5,21 @@
 Each provider is run until its autotuning is done, then ITERS calls are profiled; every kernel's total device
 time is divided by ITERS (so a kernel launched twice per call shows its summed time). bf16, with the gate, the
 q/k l2norm and the beta sigmoid inside the op, as bench_kda.py.
+
+It also prints the host time of a call: the CPU wall time of ITERS calls issued back to back without a
+synchronisation, divided by ITERS. When that exceeds the kernels' sum the call is bound by the host (Python,
+dispatch, launches), and a timed benchmark of it measures the host. ``--cprofile`` adds the Python functions
+that take the host time (cProfile over ITERS calls, by own time).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import os
+import pstats
 import sys
+import time
 
 import torch
 
@@ -21,7 +29,8 @@ from bench_kda import fn_fla, fn_kda_ops, make_inputs  # noqa: E402
 ITERS = 10
 
 
-def kernel_times(f, backward):
+def kernel_times(f, backward, cprofile=False):
+    """(ms per call of every kernel, host ms per call, device launches per call)."""
     def step():
         o = f()
         if backward:
@@ -29,16 +38,32 @@ def kernel_times(f, backward):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(ITERS):
+        step()
+    host = (time.perf_counter() - t0) * 1000.0 / ITERS
+    torch.cuda.synchronize()
+    if cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(ITERS):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     acts = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(ITERS):
             step()
         torch.cuda.synchronize()
     per = collections.defaultdict(float)
+    launches = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name] += e.device_time_total / 1000.0 / ITERS       # ms per call
-    return per
+            launches += 1
+    return per, host, launches / ITERS
 
 
 def main():
@@ -46,15 +71,17 @@ def main():
     ap.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
     ap.add_argument("--shape", default="4,4096,32,128")
     ap.add_argument("--providers", nargs="+", default=["kda_ops", "fla"])
+    ap.add_argument("--cprofile", action="store_true", help="print the Python functions that take the host time")
     a = ap.parse_args()
     B, T, H, D = map(int, a.shape.split(","))
     bwd = a.mode == "fwdbwd"
     for prov in a.providers:
         x = make_inputs(B, T, H, D, torch.bfloat16, bwd)
         f = (fn_kda_ops if prov == "kda_ops" else fn_fla)(x, D, bwd)
-        per = kernel_times(f, bwd)
+        per, host, launches = kernel_times(f, bwd, a.cprofile)
         total = sum(per.values())
-        print(f"== {prov} {a.mode} {(B, T, H, D)}: kernels sum {total:.3f} ms per call")
+        print(f"== {prov} {a.mode} {(B, T, H, D)}: kernels sum {total:.3f} ms per call, host {host:.3f} ms per call"
+              f" ({launches:.0f} launches)")
         for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
             if ms >= 0.005:
                 print(f"  {ms:8.3f} ms  {name[:110]}")
