@@ -7,7 +7,8 @@
 Providers: ``kda_ops`` (kda_ops.chunk_kda; in fwd mode falls back to kda_ops.kernels.chunk_kda_fwd_triton
 when the public op is missing), ``fla`` (fla.ops.kda.chunk_kda), ``compiled`` (torch.compile of
 kda_ops.reference.chunk_kda_fwd_torch, fwd only, only with --with-compiled and at most --compiled-max-chunks
-chunks per sequence, else n/a). All with the gate, the q/k l2norm and the beta sigmoid inside the op, bf16.
+chunks per sequence, else n/a), ``kda_ops_compiled`` (with --compile-op: kda_ops.chunk_kda under
+torch.compile(fullgraph=True), fwd or fwd + bwd; printed in the compiled column). All with the gate, the q/k l2norm and the beta sigmoid inside the op, bf16.
 Times are medians of triton.testing.do_bench (with --rounds N, the smallest of N interleaved medians); memory is
 the peak allocated during one call minus before it.
 """
@@ -90,6 +91,12 @@ def fn_compiled(x, D, backward):
                    None, True, True, True, False, False)
         return o
     return f
+
+
+def fn_kda_ops_compiled(x, D, backward):
+    """The kda_ops call under torch.compile(fullgraph=True), as a compiled model runs it: Inductor launches our
+    kernels from its own wrapper code (in fwdbwd the backward op runs from the compiled backward graph)."""
+    return torch.compile(fn_kda_ops(x, D, backward), fullgraph=True)
 
 
 def measure(make_fn, x, D, backward):
@@ -206,6 +213,9 @@ def main():
                     help="time the providers this many times, interleaved (kda_ops, fla, kda_ops, fla, ...), and "
                          "report the smallest median of each (every round is kept in the JSON)")
     ap.add_argument("--with-compiled", action="store_true")
+    ap.add_argument("--compile-op", action="store_true",
+                    help="also time kda_ops under torch.compile(fullgraph=True), shown in the compiled column: at "
+                         "small shapes an eager call is bound by the host (Python, dispatch, launches)")
     ap.add_argument("--compiled-max-chunks", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
@@ -243,6 +253,8 @@ def main():
         providers = [(n, f) for n, f in [("kda_ops", fn_kda_ops), ("fla", fn_fla)] if n in wanted]
         if args.with_compiled and not backward and T // 64 <= args.compiled_max_chunks:
             providers.append(("compiled", fn_compiled))
+        if args.compile_op:
+            providers.append(("kda_ops_compiled", fn_kda_ops_compiled))
         for rnd in range(args.rounds):
             for name, mk in providers:
                 if f"{name}_error" in row:
@@ -263,7 +275,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row["stages_error"] = f"{type(e).__name__}: {e}"[:300]
-        for name in ("kda_ops", "fla", "compiled"):
+        for name in ("kda_ops", "fla", "compiled", "kda_ops_compiled"):
             ms = row.get(f"{name}_ms")
             row[f"{name}_tok_per_s"] = None if ms is None else B * T / (ms * 1e-3)
         if row.get("kda_ops_ms") and row.get("fla_ms"):
@@ -273,7 +285,7 @@ def main():
 
         r = row
         line = (f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['K']:>4} | {fmt(r.get('kda_ops_ms')):>10} "
-                f"{fmt(r.get('fla_ms')):>8} {fmt(r.get('compiled_ms')):>9} | "
+                f"{fmt(r.get('fla_ms')):>8} {fmt(r.get('compiled_ms', r.get('kda_ops_compiled_ms'))):>9} | "
                 f"{fmt(r['kda_ops_tok_per_s'] and r['kda_ops_tok_per_s'] / 1e6, '{:.1f}'):>14} "
                 f"{fmt(r.get('speedup_vs_fla'), '{:.2f}'):>6}")
         if backward:
