@@ -15,6 +15,7 @@ the peak allocated during one call minus before it.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -127,67 +128,42 @@ def measure(make_fn, x, D, backward):
     return ms, mib
 
 
-def time_stages(x, D):
-    """Median ms of our two forward launches: intra (pre-processing + intra-chunk) and state (+ output)."""
-    from kda_ops.kernels.intra import chunk_kda_fwd_intra
-    from kda_ops.kernels.state import chunk_kda_fwd_state
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, D ** -0.5, None,
-            True, True, True, False, True)
-    intra = chunk_kda_fwd_intra(*args)
-    ms_intra = triton.testing.do_bench(lambda: chunk_kda_fwd_intra(*args), warmup=25, rep=100,
-                                       return_mode="median")
-    st = lambda: chunk_kda_fwd_state(intra, None, None, False, x["v"].dtype)  # noqa: E731
-    st()
-    ms_state = triton.testing.do_bench(st, warmup=25, rep=100, return_mode="median")
-    # the same pass without the output (no qg S, no Aqk Vn, nothing stored but the final state): the cost of
-    # the recurrence alone, to split the state launch's time between the recurrence and the fused output
-    st0 = lambda: chunk_kda_fwd_state(intra, None, None, True, x["v"].dtype, store_o=False)  # noqa: E731
-    st0()
-    ms_rec = triton.testing.do_bench(st0, warmup=25, rep=100, return_mode="median")
-    return dict(stage_intra_ms=ms_intra, stage_state_ms=ms_state, stage_recurrence_only_ms=ms_rec)
+def kernel_ms(step, iters=5):
+    """({kernel name: GPU ms per call}, device launches per call) of `step` (torch.profiler over `iters` calls after
+    one warm call). A kernel launched more than once per call shows its summed time (ours: the forward's kernels
+    run in the forward and again in the backward's recompute)."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    per, launches = collections.defaultdict(float), 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] += e.device_time_total / 1000.0 / iters
+            launches += 1
+    return dict(per), launches / iters
 
 
-def time_bwd_stages(x, D):
-    """Median ms of each backward launch (kda_ops.kernels.bwd.chunk_kda_bwd_triton, stage by stage)."""
-    from kda_ops.kernels.chunk_bwd import chunk_kda_bwd_inter
-    from kda_ops.kernels.intra import chunk_kda_fwd_intra
-    from kda_ops.kernels.intra_bwd import chunk_kda_bwd_intra
-    from kda_ops.kernels.prep_bwd import chunk_kda_bwd_qk
-    from kda_ops.kernels.state import chunk_kda_fwd_state
-    from kda_ops.kernels.state_bwd import chunk_kda_bwd_state
-    q, k, v, g, beta = (x[n].detach() for n in ("q", "k", "v", "g", "beta"))
-    A_log, dt_bias = x["A_log"].detach(), x["dt_bias"].detach()
-    do = torch.randn_like(v)
-    scale = D ** -0.5
-    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
-    out = {}
-    args = (q, k, v, g, beta, A_log, dt_bias, None, scale, None, True, True, True, False)
-    fwd = chunk_kda_fwd_intra(*args, lowp=True)
-    # the backward's recompute: with the forward's Aqk and Tm, as chunk_kda_bwd_triton runs it under autograd
-    f_intra = lambda: chunk_kda_fwd_intra(*args, lowp=True, saved=(fwd.Aqk, fwd.Tm))  # noqa: E731
-    intra = f_intra()
-    out["bwd_stage_intra_ms"] = bench(f_intra)
-    f_st = lambda: chunk_kda_fwd_state(intra, None, None, False, v.dtype, store_o=False,  # noqa: E731
-                                       store_h=True, store_vn=True)
-    st = f_st()
-    out["bwd_stage_state_fwd_ms"] = bench(f_st)
-    kd_t = intra.kdt is not None
-    f_sb = lambda: chunk_kda_bwd_state(intra.qg, intra.kdt if kd_t else intra.kd, intra.W, intra.gam,  # noqa: E731
-                                       intra.Aqk, do, None, False, None, kd_t)
-    dh, dvn, _ = f_sb()
-    out["bwd_stage_state_bwd_ms"] = bench(f_sb)
-    rq, rk = intra.rq, intra.rk
-    f_in = lambda: chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta, intra.Tm,  # noqa: E731
-                                       st.h, st.vn, do, dh, dvn, None, scale)
-    dq, dk, dgam, dv, dAqk, dM, dbeta_p = f_in()
-    out["bwd_stage_inter_ms"] = bench(f_in)
-    f_ib = lambda: chunk_kda_bwd_intra(q, k, rq, rk, intra.gam, intra.beta, dAqk, dM, dq.clone(),  # noqa: E731
-                                       dk.clone(), dgam, dbeta_p, g, beta, A_log, dt_bias, None, None,
-                                       True, True, False)
-    dq2, dk2, *_ = f_ib()
-    out["bwd_stage_intra_bwd_ms"] = bench(f_ib)
-    out["bwd_stage_qk_ms"] = bench(lambda: chunk_kda_bwd_qk(dq2, dk2, q, k, True))
-    return out
+def stage_ms(x, D, backward):
+    """GPU ms per call of each of our kernels in one kda_ops call (fwd, or fwd + bwd through autograd), from the
+    real op path: the stage split of a benchmark row."""
+    f = fn_kda_ops(x, D, backward)
+    if backward:
+        do = torch.randn_like(x["v"])
+
+        def step():
+            for t in x.values():
+                t.grad = None
+            f().backward(do)
+    else:
+        def step():
+            with torch.no_grad():
+                f()
+    per, _ = kernel_ms(step)
+    short = lambda n: n.replace("chunk_kda_", "").replace("_kernel", "")  # noqa: E731
+    return {short(n): ms for n, ms in sorted(per.items(), key=lambda kv: -kv[1]) if n.startswith("chunk_kda")}
 
 
 def versions():
@@ -205,7 +181,8 @@ def main():
     ap.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D (K = V = D)")
     ap.add_argument("--providers", default="kda_ops,fla", help="comma list of kda_ops, fla")
-    ap.add_argument("--stages", action="store_true", help="also time our launches one by one")
+    ap.add_argument("--stages", action="store_true",
+                    help="also the GPU time of each of our kernels in the call (torch.profiler)")
     ap.add_argument("--fla-from", default=None,
                     help="results JSON of an earlier run of this script (same card and mode): take the FLA "
                          "times from it instead of timing FLA again (FLA autotunes for minutes on first use)")
@@ -271,7 +248,7 @@ def main():
                     row[f"{name}_peak_mib"] = mib
         if args.stages:
             try:
-                row.update(time_bwd_stages(x, D) if backward else time_stages(x, D))
+                row["kernels_ms"] = stage_ms(x, D, backward)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row["stages_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -291,12 +268,8 @@ def main():
         if backward:
             line += f" | {fmt(r.get('kda_ops_peak_mib'), '{:.0f}'):>11} {fmt(r.get('fla_peak_mib'), '{:.0f}'):>8}"
         print(line, flush=True)
-        if "bwd_stage_intra_ms" in r:
-            print(f"{'':>20}   stages: " + ", ".join(f"{n[10:-3]} {v:.3f}" for n, v in r.items()
-                                                    if n.startswith("bwd_stage_")), flush=True)
-        if "stage_intra_ms" in r:
-            print(f"{'':>20}   stages: intra {r['stage_intra_ms']:.3f} ms, state+output {r['stage_state_ms']:.3f} ms"
-                  f" (recurrence alone {r['stage_recurrence_only_ms']:.3f} ms)", flush=True)
+        if "kernels_ms" in r:
+            print(f"{'':>20}   kernels: " + ", ".join(f"{n} {v:.3f}" for n, v in r["kernels_ms"].items()), flush=True)
         result["rows"].append(row)
         with open(path, "w") as fh:
             json.dump(result, fh, indent=1)

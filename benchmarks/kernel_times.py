@@ -14,7 +14,6 @@ that take the host time (cProfile over ITERS calls, by own time).
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import os
 import pstats
@@ -24,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import fn_fla, fn_kda_ops, make_inputs  # noqa: E402
+from bench_kda import fn_fla, fn_kda_ops, kernel_ms, make_inputs  # noqa: E402
 
 ITERS = 10
 
@@ -52,18 +51,8 @@ def kernel_times(f, backward, cprofile=False):
         torch.cuda.synchronize()
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(ITERS):
-            step()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(float)
-    launches = 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name] += e.device_time_total / 1000.0 / ITERS       # ms per call
-            launches += 1
-    return per, host, launches / ITERS
+    per, launches = kernel_ms(step, ITERS)
+    return per, host, launches
 
 
 def main():

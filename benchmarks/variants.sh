@@ -10,8 +10,9 @@
 #                default 90; runs stop at END too), TESTV (a variant whose GPU tests run after the benchmarks, first configs, until
 #                END seconds after the start, default 540), TESTS (pytest paths for TESTV), CONFIGS (module:kernel
 #                names of tests/test_gpu_configs.py for TESTV); TESTV's tests run in parallel (device_tests).
-# Each run writes its log and JSON under $OUT/NAME; the last lines of every log are printed. The per-stage
-# times of --stages move by up to ~0.3 ms from call to call for the same code: compare totals.
+# Each run writes its log and JSON under $OUT/NAME; the last lines of every log are printed, with each kernel's GPU
+# time in the call (--stages: torch.profiler on the real fwd + bwd). Until session i --stages timed hand-called
+# launchers, and those per-stage times moved by up to ~0.3 ms from call to call for the same code.
 set -o pipefail
 cmd=$1; shift
 if [ "$cmd" = prepare ]; then
