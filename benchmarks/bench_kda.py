@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 
 import torch
@@ -100,11 +101,23 @@ def fn_kda_ops_compiled(x, D, backward):
     return torch.compile(fn_kda_ops(x, D, backward), fullgraph=True)
 
 
-def measure(make_fn, x, D, backward):
-    """(median ms, peak extra MiB) or (None, None) when the provider is unavailable."""
-    f = make_fn(x, D, backward)
-    if f is None:
-        return None, None
+def host_ms(f, iters=10):
+    """CPU wall ms per call of `iters` calls of f issued back to back without a synchronisation (after three
+    warm calls): the host's share of a call; at small shapes the GPU finishes first and this is what a timed
+    benchmark measures."""
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        f()
+    ms = (time.perf_counter() - t0) * 1000.0 / iters
+    torch.cuda.synchronize()
+    return ms
+
+
+def make_step(f, x, backward):
+    """One timed call of provider f: the forward under no_grad, or forward + backward (grads reset first)."""
     if backward:
         do = torch.randn_like(x["v"])
 
@@ -116,6 +129,15 @@ def measure(make_fn, x, D, backward):
         def step():
             with torch.no_grad():
                 f()
+    return step
+
+
+def measure(make_fn, x, D, backward):
+    """(median ms, peak extra MiB) or (None, None) when the provider is unavailable."""
+    f = make_fn(x, D, backward)
+    if f is None:
+        return None, None
+    step = make_step(f, x, backward)
     step()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(step, warmup=50, rep=200, return_mode="median")
@@ -149,19 +171,7 @@ def kernel_ms(step, iters=5):
 def stage_ms(x, D, backward):
     """GPU ms per call of each of our kernels in one kda_ops call (fwd, or fwd + bwd through autograd), from the
     real op path: the stage split of a benchmark row."""
-    f = fn_kda_ops(x, D, backward)
-    if backward:
-        do = torch.randn_like(x["v"])
-
-        def step():
-            for t in x.values():
-                t.grad = None
-            f().backward(do)
-    else:
-        def step():
-            with torch.no_grad():
-                f()
-    per, _ = kernel_ms(step)
+    per, _ = kernel_ms(make_step(fn_kda_ops(x, D, backward), x, backward))
     short = lambda n: n.replace("chunk_kda_", "").replace("_kernel", "")  # noqa: E731
     return {short(n): ms for n, ms in sorted(per.items(), key=lambda kv: -kv[1]) if n.startswith("chunk_kda")}
 

@@ -18,12 +18,11 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import fn_fla, fn_kda_ops, kernel_ms, make_inputs  # noqa: E402
+from bench_kda import fn_fla, fn_kda_ops, host_ms, kernel_ms, make_inputs  # noqa: E402
 
 ITERS = 10
 
@@ -34,14 +33,7 @@ def kernel_times(f, backward, cprofile=False):
         o = f()
         if backward:
             o.backward(torch.ones_like(o))
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(ITERS):
-        step()
-    host = (time.perf_counter() - t0) * 1000.0 / ITERS
-    torch.cuda.synchronize()
+    host = host_ms(step, ITERS)
     if cprofile:
         prof = cProfile.Profile()
         prof.enable()
