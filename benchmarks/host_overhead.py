@@ -20,9 +20,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import host_ms, make_inputs  # noqa: E402
+from bench_kda import fn_kda_ops, host_ms, make_inputs, make_step  # noqa: E402
 
-import kda_ops  # noqa: E402
+import kda_ops  # noqa: E402,F401  (registers torch.ops.kda_ops)
 
 
 def main():
@@ -34,21 +34,12 @@ def main():
     x = make_inputs(B, T, H, D, torch.bfloat16, requires_grad=True)
     q, k, v, g, beta, A_log, dt_bias = (x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"))
     flags = (D ** -0.5, None, True, True, True, False)
-    do = torch.randn_like(v)
-    with torch.no_grad():
-        o, ht, Aqk, Tm = torch.ops.kda_ops.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, None, None, *flags, False)
     fwd_args = (q, k, v, g, beta, A_log, dt_bias, None, None, *flags, False)
-    bwd_args = (do, None, q, k, v, g, beta, A_log, dt_bias, None, None, *flags)
-
-    def api():
-        return kda_ops.chunk_kda(q, k, v, g, beta, scale=D ** -0.5, use_qk_l2norm_in_kernel=True,
-                                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=A_log,
-                                 dt_bias=dt_bias)
-
-    def fwdbwd():
-        for t in x.values():
-            t.grad = None
-        api()[0].backward(do)
+    bwd_args = (torch.randn_like(v), None, q, k, v, g, beta, A_log, dt_bias, None, None, *flags)
+    with torch.no_grad():
+        _, _, Aqk, Tm = torch.ops.kda_ops.chunk_kda_fwd(*fwd_args)
+    api = fn_kda_ops(x, D, False)
+    fwdbwd = make_step(fn_kda_ops(x, D, True), x, True)
 
     rows = [
         ("op: torch.ops.kda_ops.chunk_kda_fwd", lambda: torch.ops.kda_ops.chunk_kda_fwd(*fwd_args)),
