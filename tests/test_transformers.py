@@ -2,6 +2,7 @@
 kda_ops, on a tiny random fp32 config on CPU: logits and generated tokens equal the model's own torch path,
 the forward compiles with fullgraph=True, and torch.export keeps the kda_ops nodes."""
 import importlib.util
+import pathlib
 import subprocess
 import sys
 
@@ -133,3 +134,14 @@ def test_export_keeps_kda_ops_nodes(patched):
     with torch.no_grad():
         got = ep.module()(ids, use_cache=False).logits
     torch.testing.assert_close(got, patched["ref"], rtol=1e-5, atol=1e-5)
+
+
+def test_example_runs(kimi, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "hf_kimi_linear", pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_kimi_linear.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    diff, same = example.main(["--device", "cpu", "--prompt-len", "20", "--new-tokens", "3", "--batch", "1"])
+    assert diff < 1e-4 and same
+    assert "kda_ops (patch_kimi_linear)" in capsys.readouterr().out
+    assert not kimi["integ"].is_kimi_linear_patched()
