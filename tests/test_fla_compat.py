@@ -260,6 +260,21 @@ def test_fused_recurrent_bf16_state_and_missing_A_log():
     torch.testing.assert_close(o, o_one, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_bounded_gate_without_A_log(fn):
+    """lower_bound with A_log None: g = lower_bound * sigmoid(g + dt_bias)."""
+    x, _ = _inputs(12, False, "gate")
+    x = {n: t.detach() for n, t in x.items()}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, use_gate_in_kernel=True, lower_bound=-3.0)
+    if fn == "chunk":
+        o, ht = fla_compat.chunk_kda(*args, **kw, dt_bias=x["dt_bias"])
+    else:
+        o, ht = fla_compat.fused_recurrent_kda(*args, None, x["dt_bias"], **kw)
+    o_ref, ht_ref = naive_recurrent_kda(*args, **kw, dt_bias=x["dt_bias"].double())
+    torch.testing.assert_close((o, ht), (o_ref, ht_ref), **TOL)
+
+
 @pytest.mark.parametrize("case,exc,match", [
     ("cp_context", NotImplementedError, "cp_context"),
     ("return_intermediate_states", NotImplementedError, "return_intermediate_states"),
