@@ -1,10 +1,10 @@
-"""Decode step (T = 1) of KDA against FLA on one GPU: prints a table, writes JSON under benchmarks/results/.
+"""Decode step (T = 1) of KDA against FLA on one GPU: prints a table (and, with --json, writes it).
 
     python benchmarks/bench_decode.py
-    python benchmarks/bench_decode.py --shapes 64,32,128 --json out/bench_decode.json
+    python benchmarks/bench_decode.py --shapes 64,32,128 --regime strong --json out/bench_decode.json
 
 Providers: ``kda_ops`` (kda_ops.recurrent_kda: our Triton decode kernel) and ``fla``
-(fla.ops.kda.fused_recurrent_kda, output_final_state=True, the state not updated in place). Both with the
+(fla.ops.kda.fused_recurrent_kda, output_final_state=True, the state not updated in place). Inputs from kda_ops.testing.make_inputs (--regime). Both with the
 gate, the q/k l2norm and the beta sigmoid inside the op, bf16 q/k/v/g/beta, fp32 state [B, H, K, V] read
 and a new one written. Times are medians of triton.testing.do_bench; "GB/s" counts the state read and
 written (the bytes that bound this op) plus the inputs and output. "graph us" replays the call from a CUDA
@@ -29,48 +29,41 @@ sys.path.insert(0, ROOT)
 SHAPES = [(64, 32, 128), (1, 32, 128), (256, 32, 128), (64, 16, 256)]   # (B, H, K = V)
 
 
-def make_inputs(B, H, D, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s, dt=dtype: torch.randn(*s, device="cuda", dtype=dt, generator=gen)  # noqa: E731
-    return dict(q=rnd(B, 1, H, D), k=rnd(B, 1, H, D), v=rnd(B, 1, H, D), g=rnd(B, 1, H, D), beta=rnd(B, 1, H),
-                A_log=0.5 * rnd(H, dt=torch.float32), dt_bias=0.5 * rnd(H * D, dt=torch.float32),
-                initial_state=0.1 * rnd(B, H, D, D, dt=torch.float32))
-
-
-FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+def make_inputs(B, H, D, regime="weak"):
+    """kda_ops.testing.make_inputs at T = 1 with an initial state (bf16 inputs, fp32 state)."""
+    from kda_ops.testing import make_inputs as draw
+    return draw(B, 1, H, D, regime=regime, dtype=torch.bfloat16, device="cuda", seed=0, initial_state=True)
 
 
 def step_kda_ops(x):
     import kda_ops
-    return lambda: kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                                         A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
+    return lambda: kda_ops.recurrent_kda(**x)
 
 
 def step_fla(x):
     from fla.ops.kda import fused_recurrent_kda
-    return lambda: fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                       dt_bias=x["dt_bias"], initial_state=x["initial_state"],
-                                       output_final_state=True, **FLAGS)
+    return lambda: fused_recurrent_kda(**x, output_final_state=True)
 
 
 PROVIDERS = {"kda_ops": step_kda_ops, "fla": step_fla}
 
 
 def bytes_moved(x) -> int:
-    inputs = sum(t.numel() * t.element_size() for t in x.values())
+    inputs = sum(t.numel() * t.element_size() for t in x.values() if isinstance(t, torch.Tensor))
     return inputs + x["v"].numel() * x["v"].element_size() + x["initial_state"].numel() * 4
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="*", default=None, help="B,H,D triples (default: %s)" % SHAPES)
-    p.add_argument("--json", default=None, help="output path (default: benchmarks/results/decode_<date>_<card>.json)")
+    p.add_argument("--regime", default="weak", help="gate regime of kda_ops.testing (default: weak)")
+    p.add_argument("--json", default=None, help="also write the rows, versions and command to this path")
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     card = torch.cuda.get_device_name()
     rows = []
     for B, H, D in shapes:
-        x = make_inputs(B, H, D)
+        x = make_inputs(B, H, D, args.regime)
         outs, row = {}, dict(B=B, T=1, H=H, HV=H, K=D, V=D, dtype="bfloat16")
         for name, make in PROVIDERS.items():
             try:
@@ -128,9 +121,9 @@ def main(argv=None) -> int:
                                  python=platform.python_version(), cuda=torch.version.cuda),
         command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv if argv is not None else sys.argv[1:])),
         rows=rows)
-    path = args.json or os.path.join(
-        ROOT, "benchmarks", "results",
-        f"decode_{datetime.date.today().isoformat()}_{card.replace(' ', '_')}.json")
+    if not args.json:
+        return 0
+    path = args.json
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(record, f, indent=1)

@@ -1,110 +1,98 @@
-"""KDA speed (and memory) against FLA on one GPU: prints a table, writes JSON under benchmarks/results/.
+"""Chunked KDA speed and memory, kda_ops beside FLA in the same process, over the gate regimes.
 
-    python benchmarks/bench_kda.py --mode fwd
-    python benchmarks/bench_kda.py --mode fwdbwd
-    python benchmarks/bench_kda.py --mode fwd --shapes 1,8192,32,128 --with-compiled
+    python benchmarks/bench_kda.py                                   # both modes, every regime, headline shapes
+    python benchmarks/bench_kda.py --modes fwd --regimes strong safe_gate
+    python benchmarks/bench_kda.py --shapes 1,8192,32,128 2,4096,8,256 --providers kda_ops
 
-Providers: ``kda_ops`` (kda_ops.chunk_kda; in fwd mode falls back to kda_ops.kernels.chunk_kda_fwd_triton
-when the public op is missing), ``fla`` (fla.ops.kda.chunk_kda), ``compiled`` (torch.compile of
-kda_ops.reference.chunk_kda_fwd_torch, fwd only, only with --with-compiled and at most --compiled-max-chunks
-chunks per sequence, else n/a), ``kda_ops_compiled`` (with --compile-op: kda_ops.chunk_kda under
-torch.compile(fullgraph=True), fwd or fwd + bwd; printed in the compiled column). All with the gate, the q/k l2norm and the beta sigmoid inside the op, bf16.
-Times are medians of triton.testing.do_bench (with --rounds N, the smallest of N interleaved medians); memory is
-the peak allocated during one call minus before it.
+Inputs come from kda_ops.testing.make_inputs (bf16; gate, q/k l2norm and beta sigmoid inside the op). In the
+safe_gate regime kda_ops runs with lower_bound=-5 and FLA with safe_gate=True, lower_bound=-5 (its bounded-gate
+mode). Each measurement appends one row to benchmarks/results/kda.csv (columns in CSV_COLUMNS) as soon as it is
+taken, so a run cut short keeps what it measured. ``ms`` is the median of triton.testing.do_bench over one call
+(fwd: forward under no_grad; fwdbwd: forward + backward through autograd); ``peak_extra_mib`` is the peak of
+torch.cuda.max_memory_allocated during one call minus the memory allocated before it.
+Only the public API is called (kda_ops.chunk_kda), so the script does not depend on how the kernels are split.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import datetime
-import json
 import os
-import platform
+import subprocess
 import sys
 import time
 import traceback
 
 import torch
-import triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SHAPES = [(1, 8192, 32, 128), (4, 4096, 32, 128), (8, 4096, 16, 128),
-          (1, 32768, 32, 128), (2, 4096, 16, 64), (2, 4096, 8, 256)]
+from kda_ops.testing import REGIMES, make_inputs  # noqa: E402
+
+CSV_PATH = os.path.join(ROOT, "benchmarks", "results", "kda.csv")
+CSV_COLUMNS = ["date", "commit", "gpu", "torch", "triton", "fla", "provider", "mode", "regime",
+               "B", "T", "H", "K", "V", "ms", "peak_extra_mib"]
+HEADLINE_SHAPES = [(1, 8192, 32, 128), (4, 4096, 32, 128)]
+MORE_SHAPES = [(8, 4096, 16, 128), (1, 32768, 32, 128), (2, 4096, 16, 64), (2, 4096, 8, 256)]
 
 
-def make_inputs(B, T, H, D, dtype, requires_grad):
-    torch.manual_seed(0)
-    dev = "cuda"
-    x = dict(
-        q=torch.randn(B, T, H, D, device=dev, dtype=dtype),
-        k=torch.randn(B, T, H, D, device=dev, dtype=dtype),
-        v=torch.randn(B, T, H, D, device=dev, dtype=dtype),
-        g=torch.randn(B, T, H, D, device=dev, dtype=dtype),
-        beta=torch.randn(B, T, H, device=dev, dtype=dtype),
-        A_log=torch.randn(H, device=dev) * 0.5,
-        dt_bias=torch.randn(H * D, device=dev) * 0.5,
-    )
-    if requires_grad:
-        for t in x.values():
-            t.requires_grad_(True)
-    return x
+def inputs(B, T, H, D, regime, backward, device="cuda"):
+    """make_inputs' keyword arguments for chunk_kda (K = V = D)."""
+    return make_inputs(B, T, H, D, regime=regime, dtype=torch.bfloat16, device=device, seed=0,
+                       requires_grad=backward)
 
 
-def fn_kda_ops(x, D, backward):
+def fn_kda_ops(x):
     import kda_ops
-    if hasattr(kda_ops, "chunk_kda"):
-        def f():
-            o, _ = kda_ops.chunk_kda(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], scale=D ** -0.5, output_final_state=False,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                A_log=x["A_log"], dt_bias=x["dt_bias"])
-            return o
-    elif not backward:
-        from kda_ops.kernels import chunk_kda_fwd_triton
-
-        def f():
-            o, *_ = chunk_kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
-                                        None, None, D ** -0.5, None, True, True, True, False, False)
-            return o
-    else:
-        return None
-    return f
+    return lambda: kda_ops.chunk_kda(**x)[0]
 
 
-def fn_fla(x, D, backward):
+def fn_fla(x):
     from fla.ops.kda import chunk_kda
-
-    def f():
-        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=D ** -0.5, output_final_state=False,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                         A_log=x["A_log"], dt_bias=x["dt_bias"])
-        return o
-    return f
+    kw = dict(x)
+    kw["safe_gate"] = kw.get("lower_bound") is not None
+    return lambda: chunk_kda(**kw)[0]
 
 
-def fn_compiled(x, D, backward):
-    from kda_ops.reference import chunk_kda_fwd_torch
-    ref = torch.compile(chunk_kda_fwd_torch)
-
-    def f():
-        o, _ = ref(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, None, D ** -0.5,
-                   None, True, True, True, False, False)
-        return o
-    return f
+PROVIDERS = {"kda_ops": fn_kda_ops, "fla": fn_fla}
 
 
-def fn_kda_ops_compiled(x, D, backward):
-    """The kda_ops call under torch.compile(fullgraph=True), as a compiled model runs it: Inductor launches our
-    kernels from its own wrapper code (in fwdbwd the backward op runs from the compiled backward graph)."""
-    return torch.compile(fn_kda_ops(x, D, backward), fullgraph=True)
+def make_step(f, x, backward):
+    """One timed call of f: the forward under no_grad, or forward + backward (gradients reset first)."""
+    if not backward:
+        def step():
+            with torch.no_grad():
+                f()
+        return step
+    leaves = [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    do = torch.randn_like(x["v"])
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        f().backward(do)
+    return step
+
+
+def measure(step):
+    """(median ms, peak extra MiB) of one call of step."""
+    import triton
+    step()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(step, warmup=50, rep=200, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def host_ms(f, iters=10):
-    """CPU wall ms per call of `iters` calls of f issued back to back without a synchronisation (after three
-    warm calls): the host's share of a call; at small shapes the GPU finishes first and this is what a timed
-    benchmark measures."""
+    """CPU wall ms per call over `iters` calls issued back to back without a synchronisation (after three warm
+    calls): the host's share of a call. When it exceeds the GPU time the call is bound by the host."""
     for _ in range(3):
         f()
     torch.cuda.synchronize()
@@ -116,44 +104,8 @@ def host_ms(f, iters=10):
     return ms
 
 
-def make_step(f, x, backward):
-    """One timed call of provider f: the forward under no_grad, or forward + backward (grads reset first)."""
-    if backward:
-        do = torch.randn_like(x["v"])
-
-        def step():
-            for t in x.values():
-                t.grad = None
-            f().backward(do)
-    else:
-        def step():
-            with torch.no_grad():
-                f()
-    return step
-
-
-def measure(make_fn, x, D, backward):
-    """(median ms, peak extra MiB) or (None, None) when the provider is unavailable."""
-    f = make_fn(x, D, backward)
-    if f is None:
-        return None, None
-    step = make_step(f, x, backward)
-    step()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(step, warmup=50, rep=200, return_mode="median")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    mib = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    return ms, mib
-
-
 def kernel_ms(step, iters=5):
-    """({kernel name: GPU ms per call}, device launches per call) of `step` (torch.profiler over `iters` calls after
-    one warm call). A kernel launched more than once per call shows its summed time (ours: the forward's kernels
-    run in the forward and again in the backward's recompute)."""
+    """({kernel name: GPU ms per call}, launches per call) of step, from torch.profiler over `iters` calls."""
     step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -168,125 +120,92 @@ def kernel_ms(step, iters=5):
     return dict(per), launches / iters
 
 
-def stage_ms(x, D, backward):
-    """GPU ms per call of each of our kernels in one kda_ops call (fwd, or fwd + bwd through autograd), from the
-    real op path: the stage split of a benchmark row."""
-    per, _ = kernel_ms(make_step(fn_kda_ops(x, D, backward), x, backward))
-    short = lambda n: n.replace("chunk_kda_", "").replace("_kernel", "")  # noqa: E731
-    return {short(n): ms for n, ms in sorted(per.items(), key=lambda kv: -kv[1]) if n.startswith("chunk_kda")}
-
-
-def versions():
-    out = dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+def run_info():
+    """The columns shared by every row of this run."""
+    import triton
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kda_ops"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
     try:
         import fla
-        out["fla"] = getattr(fla, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        out["fla"] = f"unavailable ({type(e).__name__})"
-    return out
+        fla_version = getattr(fla, "__version__", "unknown")
+    except ImportError:
+        fla_version = ""
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), commit=commit,
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                fla=fla_version)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
-    ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D (K = V = D)")
-    ap.add_argument("--providers", default="kda_ops,fla", help="comma list of kda_ops, fla")
-    ap.add_argument("--stages", action="store_true",
-                    help="also the GPU time of each of our kernels in the call (torch.profiler)")
-    ap.add_argument("--fla-from", default=None,
-                    help="results JSON of an earlier run of this script (same card and mode): take the FLA "
-                         "times from it instead of timing FLA again (FLA autotunes for minutes on first use)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time the providers this many times, interleaved (kda_ops, fla, kda_ops, fla, ...), and "
-                         "report the smallest median of each (every round is kept in the JSON)")
-    ap.add_argument("--with-compiled", action="store_true")
-    ap.add_argument("--compile-op", action="store_true",
-                    help="also time kda_ops under torch.compile(fullgraph=True), shown in the compiled column: at "
-                         "small shapes an eager call is bound by the host (Python, dispatch, launches)")
-    ap.add_argument("--compiled-max-chunks", type=int, default=64)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    backward = args.mode == "fwdbwd"
-    card = torch.cuda.get_device_name()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"kda_{args.mode}_{now.strftime('%Y%m%dT%H%M%S')}.json")
-    result = dict(date=now.isoformat(timespec="seconds"), card=card, mode=args.mode, dtype="bfloat16",
-                  versions=versions(), command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=[])
+def append_row(path, row):
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        if new:
+            w.writeheader()
+        w.writerow(row)
 
-    fmt = lambda v, f="{:.3f}": "n/a" if v is None else f.format(v)  # noqa: E731
-    head = f"{'B':>2} {'T':>6} {'H':>3} {'D':>4} | {'kda_ops ms':>10} {'fla ms':>8} {'compiled':>9} | " \
-           f"{'kda_ops Mtok/s':>14} {'x FLA':>6}"
-    if backward:
-        head += f" | {'kda_ops MiB':>11} {'fla MiB':>8}"
-    print(f"\nKDA {args.mode}, bf16, gate + l2norm + beta sigmoid in op, {card}")
-    print(head)
-    print("-" * len(head), flush=True)
-    # Each row is printed and the JSON rewritten as soon as the row is measured: a run cut short by a time
-    # limit still leaves every finished row behind.
+
+def parse_shape(s):
+    B, T, H, D = (int(v) for v in s.split(","))
+    return B, T, H, D
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", choices=["fwd", "fwdbwd"], default=["fwd", "fwdbwd"])
+    ap.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=HEADLINE_SHAPES,
+                    help="B,T,H,D with K = V = D (default: the two headline shapes; --all-shapes adds four)")
+    ap.add_argument("--all-shapes", action="store_true", help="the headline shapes and " + str(MORE_SHAPES))
+    ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    ap.add_argument("--csv", default=CSV_PATH, help="file the rows are appended to")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    a = ap.parse_args(argv)
+    shapes = a.shapes + (MORE_SHAPES if a.all_shapes else [])
+    providers = list(a.providers)
+    if "fla" in providers:
+        try:
+            import fla.ops.kda  # noqa: F401
+        except ImportError as e:
+            print(f"FLA not importable ({e}): kda_ops only", file=sys.stderr)
+            providers.remove("fla")
+    info = run_info()
+    print(f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, fla {info['fla'] or '-'}, "
+          f"kda_ops {info['commit']}")
+    print(f"{'B':>2} {'T':>6} {'H':>3} {'D':>4} {'regime':>10} {'mode':>6} | " +
+          " | ".join(f"{p:>8} ms {'MiB':>6}" for p in providers) + " | x FLA")
     for (B, T, H, D) in shapes:
-        x = make_inputs(B, T, H, D, torch.bfloat16, backward)
-        row = dict(B=B, T=T, H=H, K=D, V=D)
-        wanted = args.providers.split(",")
-        if args.fla_from:
-            wanted = [w for w in wanted if w != "fla"]
-            with open(args.fla_from) as fh:
-                old = [r for r in json.load(fh)["rows"] if (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, D)]
-            if old:
-                row["fla_ms"] = old[0].get("fla_ms")
-                row["fla_peak_mib"] = old[0].get("fla_peak_mib")
-                row["fla_from"] = os.path.basename(args.fla_from)
-        providers = [(n, f) for n, f in [("kda_ops", fn_kda_ops), ("fla", fn_fla)] if n in wanted]
-        if args.with_compiled and not backward and T // 64 <= args.compiled_max_chunks:
-            providers.append(("compiled", fn_compiled))
-        if args.compile_op:
-            providers.append(("kda_ops_compiled", fn_kda_ops_compiled))
-        for rnd in range(args.rounds):
-            for name, mk in providers:
-                if f"{name}_error" in row:
-                    continue
-                try:
-                    ms, mib = measure(mk, x, D, backward)
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    ms, mib = None, None
-                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                row.setdefault(f"{name}_ms_rounds", []).append(ms)
-                row[f"{name}_ms"] = min((m for m in row[f"{name}_ms_rounds"] if m is not None), default=None)
-                if backward:
-                    row[f"{name}_peak_mib"] = mib
-        if args.stages:
-            try:
-                row["kernels_ms"] = stage_ms(x, D, backward)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["stages_error"] = f"{type(e).__name__}: {e}"[:300]
-        for name in ("kda_ops", "fla", "compiled", "kda_ops_compiled"):
-            ms = row.get(f"{name}_ms")
-            row[f"{name}_tok_per_s"] = None if ms is None else B * T / (ms * 1e-3)
-        if row.get("kda_ops_ms") and row.get("fla_ms"):
-            row["speedup_vs_fla"] = row["fla_ms"] / row["kda_ops_ms"]
-        del x
-        torch.cuda.empty_cache()
-
-        r = row
-        line = (f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['K']:>4} | {fmt(r.get('kda_ops_ms')):>10} "
-                f"{fmt(r.get('fla_ms')):>8} {fmt(r.get('compiled_ms', r.get('kda_ops_compiled_ms'))):>9} | "
-                f"{fmt(r['kda_ops_tok_per_s'] and r['kda_ops_tok_per_s'] / 1e6, '{:.1f}'):>14} "
-                f"{fmt(r.get('speedup_vs_fla'), '{:.2f}'):>6}")
-        if backward:
-            line += f" | {fmt(r.get('kda_ops_peak_mib'), '{:.0f}'):>11} {fmt(r.get('fla_peak_mib'), '{:.0f}'):>8}"
-        print(line, flush=True)
-        if "kernels_ms" in r:
-            print(f"{'':>20}   kernels: " + ", ".join(f"{n} {v:.3f}" for n, v in r["kernels_ms"].items()), flush=True)
-        result["rows"].append(row)
-        with open(path, "w") as fh:
-            json.dump(result, fh, indent=1)
-
-    if args.fla_from:
-        print(f"(FLA times taken from {os.path.basename(args.fla_from)}, an earlier run of this script)")
-    print(f"wrote {path}")
+        for regime in a.regimes:
+            for mode in a.modes:
+                backward = mode == "fwdbwd"
+                x = inputs(B, T, H, D, regime, backward)
+                got = {}
+                for name in providers:
+                    try:
+                        got[name] = measure(make_step(PROVIDERS[name](x), x, backward))
+                    except Exception:  # noqa: BLE001  (one failing provider or shape does not stop the run)
+                        traceback.print_exc()
+                        continue
+                    if not a.no_write:
+                        ms, mib = got[name]
+                        append_row(a.csv, dict(info, provider=name, mode=mode, regime=regime, B=B, T=T, H=H,
+                                               K=D, V=D, ms=f"{ms:.4f}", peak_extra_mib=f"{mib:.1f}"))
+                cells = [f"{got[p][0]:11.3f} {got[p][1]:6.0f}" if p in got else f"{'n/a':>11} {'':>6}"
+                         for p in providers]
+                ratio = (f"{got['fla'][0] / got['kda_ops'][0]:.2f}x"
+                         if "fla" in got and "kda_ops" in got else "")
+                print(f"{B:>2} {T:>6} {H:>3} {D:>4} {regime:>10} {mode:>6} | " + " | ".join(cells) + f" | {ratio}",
+                      flush=True)
+                del x
+                torch.cuda.empty_cache()
+    if not a.no_write:
+        print(f"appended to {a.csv}; `python benchmarks/table.py` rewrites the README table")
 
 
 if __name__ == "__main__":

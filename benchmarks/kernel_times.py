@@ -1,71 +1,44 @@
-"""Per-kernel GPU time of one call, kda_ops and FLA side by side (torch.profiler), to see which stage loses.
+"""Per-kernel GPU time of one chunked KDA call, kda_ops and FLA side by side (torch.profiler).
 
-    python benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 [--providers kda_ops fla]
+    python benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 [--regime strong] [--providers kda_ops fla]
 
-Each provider is run until its autotuning is done, then ITERS calls are profiled; every kernel's total device
-time is divided by ITERS (so a kernel launched twice per call shows its summed time). bf16, with the gate, the
-q/k l2norm and the beta sigmoid inside the op, as bench_kda.py.
-
-It also prints the host time of a call: the CPU wall time of ITERS calls issued back to back without a
-synchronisation, divided by ITERS. When that exceeds the kernels' sum the call is bound by the host (Python,
-dispatch, launches), and a timed benchmark of it measures the host. ``--cprofile`` adds the Python functions
-that take the host time (cProfile over ITERS calls, by own time).
+Each provider is warmed up (autotuning done), then ITERS calls are profiled and every kernel's device time is
+divided by ITERS: a kernel launched twice per call (e.g. a forward stage rerun by the backward) shows its sum.
+Also printed: the host time of a call (bench_kda.host_ms); when it exceeds the kernels' sum the call is bound
+by the host (Python, dispatch, launches). Inputs as bench_kda.py (kda_ops.testing.make_inputs, bf16).
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import fn_fla, fn_kda_ops, host_ms, kernel_ms, make_inputs  # noqa: E402
+from bench_kda import PROVIDERS, host_ms, inputs, kernel_ms, make_step, parse_shape  # noqa: E402
+from kda_ops.testing import REGIMES  # noqa: E402
 
 ITERS = 10
 
 
-def kernel_times(f, backward, cprofile=False):
-    """(ms per call of every kernel, host ms per call, device launches per call)."""
-    def step():
-        o = f()
-        if backward:
-            o.backward(torch.ones_like(o))
-    host = host_ms(step, ITERS)
-    if cprofile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(ITERS):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-    per, launches = kernel_ms(step, ITERS)
-    return per, host, launches
-
-
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
-    ap.add_argument("--shape", default="4,4096,32,128")
-    ap.add_argument("--providers", nargs="+", default=["kda_ops", "fla"])
-    ap.add_argument("--cprofile", action="store_true", help="print the Python functions that take the host time")
+    ap.add_argument("--shape", type=parse_shape, default=(4, 4096, 32, 128), help="B,T,H,D (K = V = D)")
+    ap.add_argument("--regime", choices=REGIMES, default="weak")
+    ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
     a = ap.parse_args()
-    B, T, H, D = map(int, a.shape.split(","))
-    bwd = a.mode == "fwdbwd"
-    for prov in a.providers:
-        x = make_inputs(B, T, H, D, torch.bfloat16, bwd)
-        f = (fn_kda_ops if prov == "kda_ops" else fn_fla)(x, D, bwd)
-        per, host, launches = kernel_times(f, bwd, a.cprofile)
-        total = sum(per.values())
-        print(f"== {prov} {a.mode} {(B, T, H, D)}: kernels sum {total:.3f} ms per call, host {host:.3f} ms per call"
-              f" ({launches:.0f} launches)")
-        for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+    B, T, H, D = a.shape
+    backward = a.mode == "fwdbwd"
+    for name in a.providers:
+        x = inputs(B, T, H, D, a.regime, backward)
+        step = make_step(PROVIDERS[name](x), x, backward)
+        host = host_ms(step, ITERS)
+        per, launches = kernel_ms(step, ITERS)
+        print(f"== {name} {a.mode} {a.regime} {a.shape}: kernels {sum(per.values()):.3f} ms per call, "
+              f"host {host:.3f} ms per call, {launches:.0f} launches")
+        for kernel, ms in sorted(per.items(), key=lambda kv: -kv[1]):
             if ms >= 0.005:
-                print(f"  {ms:8.3f} ms  {name[:110]}")
+                print(f"  {ms:8.3f} ms  {kernel[:110]}")
         sys.stdout.flush()
 
 

@@ -4,8 +4,8 @@ Two modes (``mode=``):
 
 ``"function"`` (default): each KDA op becomes ONE opaque node in the custom domain ``kda_ops``
 
-    torch.ops.kda_ops.chunk_kda_fwd  ->  kda_ops::ChunkKDA
-    torch.ops.kda_ops.recurrent_kda  ->  kda_ops::RecurrentKDA
+    torch.ops.kda_ops.chunk_kda_v1      ->  kda_ops::ChunkKDA      (domain kda_ops, version 1)
+    torch.ops.kda_ops.recurrent_kda_v1  ->  kda_ops::RecurrentKDA
 
     inputs   q [B, T, H, K], k [B, T, H, K], v [B, T, HV, V], g [B, T, HV, K], beta [B, T, HV],
              A_log [HV] f32, dt_bias [HV * K] f32, initial_state [B, HV, K, V] f32
@@ -74,7 +74,7 @@ _LA_DOMAIN = {"linear_attention": "", "ms_linear_attention": "com.microsoft"}
 _FLAGS = ("use_qk_l2norm", "use_gate", "use_beta_sigmoid", "allow_neg_eigval")
 
 # torch op -> ONNX op name in DOMAIN
-OP_NAMES = {"chunk_kda_fwd": "ChunkKDA", "recurrent_kda": "RecurrentKDA"}
+OP_NAMES = {"chunk_kda_v1": "ChunkKDA", "recurrent_kda_v1": "RecurrentKDA"}
 PREPARE = "KDAPrepare"
 
 
@@ -307,17 +307,6 @@ def _linear_attention_translation(q, k, v, g, beta, A_log, dt_bias, initial_stat
     return op.CastLike(o, v), ht
 
 
-def _with_saved(translate):
-    """chunk_kda_fwd's translation: its two outputs kept for the backward (Aqk, Tm) have no use in an
-    inference graph; they become empty tensors (the torch implementation returns empties too)."""
-    def chunk(*args, **kwargs):
-        o, ht = translate(*args, **kwargs)
-        empty = op.ConstantOfShape(op.Constant(value_ints=[0]))
-        return o, ht, empty, op.Identity(empty)
-    chunk.__name__ = f"{getattr(translate, '__name__', 'kda_ops')}_fwd"
-    return chunk
-
-
 def custom_translation_table(mode: str = "function") -> dict:
     """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)``; follow with :func:`finalize`."""
     if mode not in MODES:
@@ -325,8 +314,7 @@ def custom_translation_table(mode: str = "function") -> dict:
     table = {}
     for name, onnx_name in OP_NAMES.items():
         translate = _function_translation(onnx_name) if mode == "function" else _linear_attention_translation
-        table[getattr(torch.ops.kda_ops, name).default] = (
-            _with_saved(translate) if name == "chunk_kda_fwd" else translate)
+        table[getattr(torch.ops.kda_ops, name).default] = translate
     return table
 
 

@@ -1,22 +1,31 @@
 """Every torch.library registration of kda_ops, in one place.
 
-Public ops (``torch.ops.kda_ops.*``), all ``triton_op``s so that torch.compile sees through them to the
-Triton kernels on CUDA and torch.export keeps each as one node:
+Stable ops: what exported graphs contain. Their schemas are a contract (docs/design.md, "Schema policy"):
+a change adds ``*_v2`` beside them and keeps the old ones loadable.
 
-    chunk_kda_fwd(q, k, v, g, beta, A_log?, dt_bias?, initial_state?, cu_seqlens?, scale, lower_bound?,
-                  use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
-        -> (o [B, T, HV, V], final_state [N, HV, K, V] or empty, Aqk, Tm)
-    chunk_kda_bwd(do, dht?, <the forward's inputs but output_final_state>, saved_Aqk?, saved_Tm?)
-        -> (dq, dk, dv, dg, dbeta, dA_log or empty, ddt_bias or empty, dh0 or empty)
-    recurrent_kda(<the forward's inputs, initial_state required>) -> (o, final_state)   # decode step
+    chunk_kda_v1(q, k, v, g, beta, A_log?, dt_bias?, initial_state?, cu_seqlens?, float scale,
+                 float? lower_bound, bool use_qk_l2norm, bool use_gate, bool use_beta_sigmoid,
+                 bool allow_neg_eigval, bool output_final_state)
+        -> (o [B, T, HV, V], final_state [N, HV, K, V] or empty)
+    recurrent_kda_v1(<the same inputs, initial_state required, no output_final_state>)
+        -> (o [B, T, HV, V], final_state [N, HV, K, V])                        # decode step
 
-A ``triton_op`` cannot return None: an absent output is an empty tensor, mapped back to None in api.py.
-Aqk and Tm are what the forward keeps for the backward beyond its inputs (on CUDA: the intra-chunk stage's
-[B, T, HV, 64] Aqk and (I + L)^-1, bf16 for bf16 v, else fp32; elsewhere empty): the backward takes them
-instead of recomputing them, which is most of the intra stage's work. api.py drops them.
-CUDA runs our Triton kernels (kda_ops/kernels); every other device runs the torch implementation of
-reference.py behind an opaque ``custom_op`` (``*_torch``): its Python loop over chunks would otherwise
-specialise the sequence length under torch.compile and recompile for every new length.
+Private ops: the training path. They change whenever the backward changes and are never exported.
+
+    _chunk_kda_fwd(<chunk_kda_v1's inputs>, chunk_indices?, chunk_offsets?) -> (o, final_state, Aqk, Tm)
+    _chunk_kda_bwd(do, dht?, <_chunk_kda_fwd's inputs but output_final_state>, Aqk?, Tm?)
+        -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)        (absent gradients: empty tensors)
+    _chunk_kda_fwd_torch, _chunk_kda_bwd_torch, _recurrent_kda_torch: the torch implementation of
+        reference.py behind opaque ``custom_op``s (their Python loops over chunks would otherwise
+        specialise the sequence length under torch.compile and recompile for every new length).
+
+All ``triton_op``s: on CUDA their bodies launch our kernels through ``wrap_triton``, so torch.compile sees
+the kernels; on every other device they call the opaque torch implementation. A ``triton_op`` cannot return
+None: an absent output is an empty tensor, mapped back to None in api.py.
+
+On CUDA the private forward also returns the intra-chunk stage's Aqk and (I + L)^-1 ([B, T, HV, 64], bf16
+for bf16 v), which the backward takes instead of recomputing them, and its varlen chunk index is built once
+(``kernels.chunk_index``) and handed to the backward through autograd.
 """
 from __future__ import annotations
 
@@ -27,11 +36,13 @@ from torch import Tensor
 from torch.library import custom_op, triton_op
 
 from . import kernels, reference
+from .options import KDAInputs, KDAOptions
 
-_EMPTY_SHAPE = (0,)
+SCHEMA_VERSION = 1
+_EMPTY = (0,)
 # Chunk size of the torch implementation. Any size gives the same result; on CPU its cost is dominated by
-# the per-pair decay tensor [C, C, K] of every chunk, and 16 ran 4-10x faster than 64 for T in 16..1024
-# (fwd + bwd, `python benchmarks/bench_cpu.py` on the 2-core CI machine, 2026-11-29).
+# the per-pair decay tensor [C, C, K] of every chunk, and 16 runs several times faster than 64 there
+# (`python benchmarks/bench_cpu.py`).
 TORCH_CHUNK_SIZE = 16
 
 
@@ -39,19 +50,31 @@ def _state_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]):
+def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _or_empty(x: Optional[Tensor], like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    return like.new_empty(_EMPTY_SHAPE, dtype=dtype or like.dtype) if x is None else x
+def _or_empty(x: Optional[Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
+    return like.new_empty(_EMPTY, dtype=dtype) if x is None else x
+
+
+def _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval) -> KDAOptions:
+    return KDAOptions(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+
+
+def _contiguous(x: KDAInputs) -> KDAInputs:
+    """What the kernels read as dense memory made dense (a no-op when it already is); states keep their
+    strides, the kernels read them through their strides."""
+    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return KDAInputs(c(x.q), c(x.k), c(x.v), c(x.g), c(x.beta), c(x.A_log), c(x.dt_bias), x.initial_state,
+                     c(x.cu_seqlens))
 
 
 # ----------------------------------------------------------------------------------------------
 # Torch implementation behind opaque ops (CPU, and any device without kernels).
 # ----------------------------------------------------------------------------------------------
-@custom_op("kda_ops::chunk_kda_fwd_torch", mutates_args=())
-def chunk_kda_fwd_torch(
+@custom_op("kda_ops::_chunk_kda_fwd_torch", mutates_args=())
+def _chunk_kda_fwd_torch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -59,15 +82,14 @@ def chunk_kda_fwd_torch(
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
-    o, ht = reference.chunk_kda_fwd_torch(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state,
-        chunk_size=TORCH_CHUNK_SIZE)
+    x = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+    o, ht = reference.chunk_kda_fwd_torch(x, opts, output_final_state, chunk_size=TORCH_CHUNK_SIZE)
     return o, _or_empty(ht, q, _state_dtype(q))
 
 
-@custom_op("kda_ops::chunk_kda_bwd_torch", mutates_args=())
-def chunk_kda_bwd_torch(
+@custom_op("kda_ops::_chunk_kda_bwd_torch", mutates_args=())
+def _chunk_kda_bwd_torch(
     do: Tensor, dht: Optional[Tensor],
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
@@ -75,17 +97,18 @@ def chunk_kda_bwd_torch(
     scale: float, lower_bound: Optional[float],
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    x = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = reference.chunk_kda_bwd_torch(
-        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, chunk_size=TORCH_CHUNK_SIZE)
+        do, dht, x, opts, chunk_size=TORCH_CHUNK_SIZE)
     return (dq, dk, dv, dg, dbeta,
-            _or_empty(dA_log, q, torch.float32) if A_log is None else dA_log.to(A_log.dtype),
-            _or_empty(ddt_bias, q, torch.float32) if dt_bias is None else ddt_bias.to(dt_bias.dtype),
-            _or_empty(dh0, q, torch.float32) if initial_state is None else dh0.to(initial_state.dtype))
+            _or_empty(None, q, torch.float32) if A_log is None else dA_log.to(A_log.dtype),
+            _or_empty(None, q, torch.float32) if dt_bias is None else ddt_bias.to(dt_bias.dtype),
+            _or_empty(None, q, torch.float32) if initial_state is None else dh0.to(initial_state.dtype))
 
 
-@custom_op("kda_ops::recurrent_kda_torch", mutates_args=())
-def recurrent_kda_torch(
+@custom_op("kda_ops::_recurrent_kda_torch", mutates_args=())
+def _recurrent_kda_torch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     initial_state: Tensor, cu_seqlens: Optional[Tensor],
@@ -107,102 +130,71 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale
               use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state):
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
-    o = v.new_empty(B, T, HV, V)
-    if output_final_state:
-        return o, q.new_empty(_num_seqs(q, cu_seqlens), HV, K, V, dtype=_state_dtype(q))
-    return o, q.new_empty(_EMPTY_SHAPE, dtype=_state_dtype(q))
+    shape = (_num_seqs(q, cu_seqlens), HV, K, V) if output_final_state else _EMPTY
+    return v.new_empty(B, T, HV, V), q.new_empty(shape, dtype=_state_dtype(q))
 
 
-def _saved_fake(q, v):
-    """(Aqk, Tm) as chunk_kda_fwd returns them: [B, T, HV, 64] on CUDA (kernels.intra's storage dtype), else
-    empty."""
+def _saved_fake(q: Tensor, v: Tensor):
+    """(Aqk, Tm) as _chunk_kda_fwd returns them: [B, T, HV, 64] on CUDA (bf16 for bf16 v), else empty."""
     if q.device.type != "cuda":
-        return tuple(q.new_empty(_EMPTY_SHAPE, dtype=torch.float32) for _ in range(2))
+        return tuple(q.new_empty(_EMPTY, dtype=torch.float32) for _ in range(2))
     B, T, HV = v.shape[:3]
     dtype = v.dtype if v.dtype == torch.bfloat16 else torch.float32
     return tuple(q.new_empty(B, T, HV, kernels.BT, dtype=dtype) for _ in range(2))
 
 
-def _fwd_op_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-                 use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state):
+def _train_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+                    chunk_offsets, scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid,
+                    allow_neg_eigval, output_final_state):
     o, ht = _fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
                       use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
     return (o, ht, *_saved_fake(q, v))
 
 
-def _bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-              use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, saved_Aqk=None, saved_Tm=None):
-    # Gradients are contiguous whatever the strides of the inputs (both implementations write them fresh).
+def _bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *rest):
+    # Gradients are fresh contiguous tensors whatever the strides of the inputs.
     grad = lambda x: q.new_empty(x.shape, dtype=x.dtype)  # noqa: E731
-    absent = lambda: q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)  # noqa: E731
+    absent = lambda: q.new_empty(_EMPTY, dtype=torch.float32)  # noqa: E731
     return (grad(q), grad(k), grad(v), grad(g), grad(beta),
             absent() if A_log is None else grad(A_log),
             absent() if dt_bias is None else grad(dt_bias),
             absent() if initial_state is None else grad(initial_state))
 
 
-def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-                    use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval):
+def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
     return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)
 
 
-chunk_kda_fwd_torch.register_fake(_fwd_fake)
-chunk_kda_bwd_torch.register_fake(_bwd_fake)
-recurrent_kda_torch.register_fake(_recurrent_fake)
+_chunk_kda_fwd_torch.register_fake(_fwd_fake)
+_chunk_kda_bwd_torch.register_fake(_bwd_fake)
+_recurrent_kda_torch.register_fake(_recurrent_fake)
 
 
 # ----------------------------------------------------------------------------------------------
-# The public ops.
+# The stable ops.
 # ----------------------------------------------------------------------------------------------
-@triton_op("kda_ops::chunk_kda_fwd", mutates_args={})
-def chunk_kda_fwd(
+@triton_op("kda_ops::chunk_kda_v1", mutates_args={})
+def chunk_kda_v1(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     scale: float, lower_bound: Optional[float],
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
     output_final_state: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(
-            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
-        return o, _or_empty(ht, q, torch.float32), Aqk, Tm
-    o, ht = torch.ops.kda_ops.chunk_kda_fwd_torch(
+        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
+        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+        idx = kernels.chunk_index(q.shape[0], q.shape[1], x.cu_seqlens)
+        o, ht, _, _ = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
+        return o, _or_empty(ht, q, torch.float32)
+    return torch.ops.kda_ops._chunk_kda_fwd_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
-    return (o, ht, *_saved_fake(q, v))     # (the torch implementation recomputes everything: two empties)
 
 
-@triton_op("kda_ops::chunk_kda_bwd", mutates_args={})
-def chunk_kda_bwd(
-    do: Tensor, dht: Optional[Tensor],
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-    scale: float, lower_bound: Optional[float],
-    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
-    saved_Aqk: Optional[Tensor] = None, saved_Tm: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if q.device.type == "cuda":
-        # the forward's (Aqk, Tm) when it kept them (four-dimensional), else recomputed
-        keep = saved_Aqk is not None and saved_Tm is not None and saved_Aqk.dim() == 4 and saved_Tm.dim() == 4
-        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
-            do.contiguous(), None if dht is None else dht.contiguous(),
-            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval,
-            (saved_Aqk.contiguous(), saved_Tm.contiguous()) if keep else None)
-        return (dq, dk, dv, dg, dbeta, _or_empty(dA_log, q, torch.float32),
-                _or_empty(ddt_bias, q, torch.float32), _or_empty(dh0, q, torch.float32))
-    return torch.ops.kda_ops.chunk_kda_bwd_torch(
-        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-
-
-@triton_op("kda_ops::recurrent_kda", mutates_args={})
-def recurrent_kda(
+@triton_op("kda_ops::recurrent_kda_v1", mutates_args={})
+def recurrent_kda_v1(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     initial_state: Tensor, cu_seqlens: Optional[Tensor],
@@ -210,42 +202,147 @@ def recurrent_kda(
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
 ) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        return kernels.recurrent_kda_triton(
-            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            A_log, dt_bias, initial_state.contiguous(), cu_seqlens, scale, lower_bound,
-            use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-    return torch.ops.kda_ops.recurrent_kda_torch(
+        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
+        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+        return kernels.recurrent_kda_triton(x, opts)
+    return torch.ops.kda_ops._recurrent_kda_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
 
 
-chunk_kda_fwd.register_fake(_fwd_op_fake)
-chunk_kda_bwd.register_fake(_bwd_fake)
-recurrent_kda.register_fake(_recurrent_fake)
+chunk_kda_v1.register_fake(_fwd_fake)
+recurrent_kda_v1.register_fake(_recurrent_fake)
 
 
 # ----------------------------------------------------------------------------------------------
-# Autograd: the forward keeps its inputs and (Aqk, Tm); the backward op recomputes the rest.
+# The private training ops.
 # ----------------------------------------------------------------------------------------------
-def _fwd_setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-     use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, output[2], output[3])
-    ctx.flags = (scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+@triton_op("kda_ops::_chunk_kda_fwd", mutates_args={})
+def _chunk_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_indices: Optional[Tensor], chunk_offsets: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if q.device.type == "cuda":
+        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
+        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+        idx = kernels.ChunkIndex.of(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
+        o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
+        return o, _or_empty(ht, q, torch.float32), Aqk, Tm
+    o, ht = torch.ops.kda_ops._chunk_kda_fwd_torch(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
+    return (o, ht, *_saved_fake(q, v))     # the torch implementation recomputes everything: two empties
+
+
+@triton_op("kda_ops::_chunk_kda_bwd", mutates_args={})
+def _chunk_kda_bwd(
+    do: Tensor, dht: Optional[Tensor],
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_indices: Optional[Tensor], chunk_offsets: Optional[Tensor],
+    scale: float, lower_bound: Optional[float],
+    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    Aqk: Optional[Tensor], Tm: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if q.device.type == "cuda":
+        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
+        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+        idx = kernels.ChunkIndex.of(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
+        saved = None if Aqk is None or Tm is None else (Aqk.contiguous(), Tm.contiguous())
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
+            do.contiguous(), dht, x, opts, idx, saved)
+        empty = lambda t: _or_empty(t, q, torch.float32)  # noqa: E731
+        return dq, dk, dv, dg, dbeta, empty(dA_log), empty(ddt_bias), empty(dh0)
+    return torch.ops.kda_ops._chunk_kda_bwd_torch(
+        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+
+
+_chunk_kda_fwd.register_fake(_train_fwd_fake)
+_chunk_kda_bwd.register_fake(_bwd_fake)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd. The training op keeps its inputs, its chunk index and (on CUDA) Aqk and Tm; the stable op
+# keeps its inputs and lets the backward recompute the rest (it is differentiable, but the public
+# functions only pick it when no gradient is needed or a graph is being exported).
+# ----------------------------------------------------------------------------------------------
+def _input_grads(x, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0):
+    return (dq, dk, dv, dg, dbeta,
+            None if x[5] is None else dA_log,
+            None if x[6] is None else ddt_bias,
+            None if x[7] is None else dh0)
+
+
+def _train_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+     *flags, output_final_state) = inputs
+    keep = q.device.type == "cuda"        # the torch implementation returns no Aqk / Tm
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+                          chunk_offsets, output[2] if keep else None, output[3] if keep else None)
+    ctx.flags = tuple(flags)
     ctx.output_final_state = output_final_state
 
 
-def _fwd_backward(ctx, do, dht, _dAqk, _dTm):
-    # Aqk and Tm are kept for the backward only; api.py never returns them, so nothing flows back through them
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm = ctx.saved_tensors
-    dht = dht if ctx.output_final_state else None
-    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = torch.ops.kda_ops.chunk_kda_bwd(
-        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags, Aqk, Tm)
-    return (dq, dk, dv, dg, dbeta,
-            None if A_log is None else dA_log,
-            None if dt_bias is None else ddt_bias,
-            None if initial_state is None else dh0,
-            None, None, None, None, None, None, None, None)
+def _train_backward(ctx, do, dht, _dAqk, _dTm):
+    *x, Aqk, Tm = ctx.saved_tensors
+    grads = torch.ops.kda_ops._chunk_kda_bwd(
+        do, dht if ctx.output_final_state else None, *x, *ctx.flags, Aqk, Tm)
+    return (*_input_grads(x, *grads), None, None, None, None, None, None, None, None, None, None)
 
 
-chunk_kda_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+def _stable_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags, output_final_state) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.flags = tuple(flags)
+    ctx.output_final_state = output_final_state
+
+
+def _stable_backward(ctx, do, dht):
+    x = ctx.saved_tensors
+    q, cu_seqlens = x[0], x[8]
+    idx = kernels.chunk_index(q.shape[0], q.shape[1], cu_seqlens) if q.device.type == "cuda" else None
+    grads = torch.ops.kda_ops._chunk_kda_bwd(
+        do, dht if ctx.output_final_state else None, *x[:8],
+        cu_seqlens if idx is None else idx.cu_seqlens,
+        None if idx is None else idx.chunk_indices, None if idx is None else idx.chunk_offsets,
+        *ctx.flags, None, None)
+    return (*_input_grads(x, *grads), None, None, None, None, None, None, None, None)
+
+
+_chunk_kda_fwd.register_autograd(_train_backward, setup_context=_train_setup_context)
+chunk_kda_v1.register_autograd(_stable_backward, setup_context=_stable_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points for api.py: pick the op.
+# ----------------------------------------------------------------------------------------------
+def _needs_grad(x: KDAInputs) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in x)
+
+
+def chunk_kda(x: KDAInputs, opts: KDAOptions, output_final_state: bool):
+    """(o, final_state or empty). Training (a gradient is needed, not exporting): the private op pair,
+    which saves Aqk, Tm and the chunk index for the backward; otherwise the stable op."""
+    flags = (opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
+             opts.allow_neg_eigval, output_final_state)
+    if torch.compiler.is_exporting() or not _needs_grad(x):
+        return torch.ops.kda_ops.chunk_kda_v1(*x, *flags)
+    cu, ci, co = x.cu_seqlens, None, None
+    if x.q.device.type == "cuda":
+        idx = kernels.chunk_index(x.q.shape[0], x.q.shape[1], x.cu_seqlens)
+        cu, ci, co = idx.cu_seqlens, idx.chunk_indices, idx.chunk_offsets
+    o, ht, _, _ = torch.ops.kda_ops._chunk_kda_fwd(*x[:8], cu, ci, co, *flags)
+    return o, ht
+
+
+def recurrent_kda(x: KDAInputs, opts: KDAOptions):
+    return torch.ops.kda_ops.recurrent_kda_v1(
+        *x, opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
+        opts.allow_neg_eigval)

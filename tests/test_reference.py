@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kda_case import Case, reference_grads, rel_rms
+from kda_ops.options import KDAInputs, KDAOptions
 from kda_ops.reference import chunk_kda_bwd_torch, chunk_kda_fwd_torch, naive_recurrent_kda
 
 CASES = [
@@ -21,11 +22,13 @@ CASES = [
 
 
 def _op_args(inputs, kw):
+    """(KDAInputs, KDAOptions) of a case, as ops.py builds them."""
     k = inputs[0].shape[-1]
-    return (*inputs, kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"), kw.get("cu_seqlens"),
-            k ** -0.5, kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False),
-            kw.get("use_gate_in_kernel", False), kw.get("use_beta_sigmoid_in_kernel", False),
-            kw.get("allow_neg_eigval", False))
+    x = KDAInputs(*inputs, kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"), kw.get("cu_seqlens"))
+    opts = KDAOptions(k ** -0.5, kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False),
+                      kw.get("use_gate_in_kernel", False), kw.get("use_beta_sigmoid_in_kernel", False),
+                      kw.get("allow_neg_eigval", False))
+    return x, opts
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -77,13 +77,13 @@ def test_cu_seqlens_with_batch():
 
 def test_cu_seqlens_dtype():
     one = good(**{n: x[:1] for n, x in good().items()})
-    with pytest.raises(TypeError, match=r"cu_seqlens must have dtype int32 or int64, got torch.float32"):
+    with pytest.raises(TypeError, match=r"cu_seqlens must have dtype int32 or int64, got float32"):
         kda_ops.chunk_kda(*one.values(), cu_seqlens=torch.tensor([0.0, 4.0, 10.0]))
 
 
 def test_cu_seqlens_rank():
     one = good(**{n: x[:1] for n, x in good().items()})
-    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must have 1 dims \[N \+ 1\]"):
         kda_ops.chunk_kda(*one.values(), cu_seqlens=torch.tensor([[0, 10]]))
 
 
@@ -108,12 +108,12 @@ def test_gate_in_op_lower_bound_allows_missing_A_log():
 
 
 def test_A_log_shape():
-    with pytest.raises(ValueError, match=r"A_log must have shape \[HV\] = \(4,\)"):
+    with pytest.raises(ValueError, match=r"A_log must hold HV = 4 elements"):
         call(use_gate_in_kernel=True, A_log=torch.zeros(H))
 
 
 def test_dt_bias_shape():
-    with pytest.raises(ValueError, match=r"dt_bias must have shape \[HV \* K\] = \(32,\)"):
+    with pytest.raises(ValueError, match=r"dt_bias must hold HV \* K = 32 elements"):
         call(use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=torch.zeros(HV))
 
 
