@@ -243,38 +243,3 @@ def _native_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state
         allow_neg_eigval, lower_bound, cu_seqlens, output_final_state=output_final_state,
         state_v_first=state_v_first, A_log=A_log, dt_bias=dt_bias)
 
-
-# Adapter for a kda_ops.api without the state_v_first / any-shape gate parameter options.
-import inspect as _inspect  # noqa: E402
-
-if "state_v_first" not in _inspect.signature(api.chunk_kda).parameters:
-    def _flat_param(x):
-        if x is None:
-            return None
-        x = x.reshape(-1)
-        return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-    def _native_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate,  # noqa: F811
-                      use_beta_sigmoid, allow_neg_eigval, lower_bound, cu_seqlens, state_v_first, A_log,
-                      dt_bias):
-        if state_v_first and initial_state is not None:
-            initial_state = initial_state.transpose(-1, -2)
-        o, ht = api.chunk_kda(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate,
-            use_beta_sigmoid, allow_neg_eigval, lower_bound, cu_seqlens,
-            A_log=_flat_param(A_log), dt_bias=_flat_param(dt_bias))
-        if state_v_first and ht is not None:
-            ht = ht.transpose(-1, -2)
-        return o, ht
-
-    def _native_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,  # noqa: F811
-                          use_gate, use_beta_sigmoid, allow_neg_eigval, lower_bound, cu_seqlens, state_v_first,
-                          A_log, dt_bias):
-        if state_v_first and initial_state is not None:
-            initial_state = initial_state.transpose(-1, -2)
-        o, ht = api.recurrent_kda(
-            q, k, v, g, beta, scale, initial_state, use_qk_l2norm, use_gate, use_beta_sigmoid,
-            allow_neg_eigval, lower_bound, cu_seqlens, A_log=_flat_param(A_log), dt_bias=_flat_param(dt_bias))
-        if state_v_first:
-            ht = ht.transpose(-1, -2)
-        return o, (ht if output_final_state else None)
