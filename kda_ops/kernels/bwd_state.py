@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, lowp_dot, tune_size
+from .common import BT, ChunkIndex, absent, autotune_configs, dot_precision, lowp_dot, tune_size
 
 
 @triton.autotune(
@@ -125,41 +125,39 @@ def chunk_kda_bwd_kernel_state(
 
 
 def chunk_kda_bwd_state(
-    qg: torch.Tensor, kd: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
-    do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, cu_seqlens: Optional[torch.Tensor],
-    kd_t: bool = False,
+    qg: torch.Tensor, kd: torch.Tensor, kd_t: bool, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
+    do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, idx: ChunkIndex,
 ):
     """Reverse state pass.
 
-    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype; kd_t: kd is IntraOut.kdt, kd^T per chunk
-    [NT_total, HV, K, 64]); gam [B, T, HV, K] fp32 (log2 units);
+    qg, W [B, T, HV, K] and kd (the forward intra stage's, any float dtype; kd_t: kd is kd^T per chunk
+    [NT_total, HV, K, 64], else [B, T, HV, K]); gam [B, T, HV, K] fp32 (log2 units);
     Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] or None.
     Returns (dh [NT_total, HV, K, V]: gradient of the state leaving each chunk, laid out like the forward's
     per-chunk states; dvn [B, T, HV, V] (both in do.dtype for 16-bit inputs, else fp32);
     dh0 [N, HV, K, V] fp32 or None).
 
-    >>> dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, intra.W, intra.gam, intra.Aqk, do, None,
-    ...                                    True, None)
+    >>> dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, intra.kd_t, W, intra.gam, intra.Aqk, do, None,
+    ...                                    True, idx)
     """
     B, T, HV, K = W.shape
     V = do.shape[-1]
-    layout = chunk_layout(B, T, cu_seqlens)
     # with 16-bit inputs stage 2 feeds dh and dvn to bf16/fp16 dots: storing them in that dtype loses nothing
     # there and halves their memory (the fp32 accumulator stays in registers)
     dt = do.dtype if lowp_dot(do.dtype) else torch.float32
-    dh = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=do.device)
+    dh = torch.empty(idx.NT_total, HV, K, V, dtype=dt, device=do.device)
     dvn = torch.empty(B, T, HV, V, dtype=dt, device=do.device)
-    dh0 = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=do.device) if need_dh0 else None
-    pick = lambda x: absent(x, gam)  # noqa: E731
+    dh0 = torch.empty(idx.N, HV, K, V, dtype=torch.float32, device=do.device) if need_dh0 else None
+    pick = lambda t: absent(t, gam)  # noqa: E731
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), layout.N * HV)
+        return (triton.cdiv(V, meta["BV"]), idx.N * HV)
 
     torch.library.wrap_triton(chunk_kda_bwd_kernel_state)[grid](
         qg, kd, W, gam, Aqk, do, pick(dht), dh, dvn, pick(dh0),
-        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
+        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None, KD_T=kd_t,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=idx.is_varlen, KD_T=kd_t,
         PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),
     )
     return dh, dvn, dh0

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, INTERPRET, absent, autotune_configs, chunk_layout, dot_precision, tune_size
-from .intra import IntraOut
+from .common import BT, INTERPRET, ChunkIndex, absent, autotune_configs, dot_precision, tune_size
 
 
 @triton.autotune(
@@ -167,35 +166,32 @@ class StateOut(NamedTuple):
 
 
 def chunk_kda_fwd_state(
-    intra: IntraOut, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    output_final_state: bool, dtype: torch.dtype,
-    store_o: bool = True, store_h: bool = False, store_vn: bool = False,
+    W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, kd_t: bool, qg: torch.Tensor, Aqk: torch.Tensor,
+    gam: torch.Tensor, initial_state: Optional[torch.Tensor], idx: ChunkIndex, output_final_state: bool,
+    dtype: torch.dtype, store_o: bool = True, store_h: bool = False, store_vn: bool = False,
 ) -> StateOut:
-    """State pass (+ output) from :func:`kda_ops.kernels.intra.chunk_kda_fwd_intra`'s outputs.
-
-    initial_state [N, HV, K, V] fp32 or None; cu_seqlens [N + 1] or None; dtype: the dtype of v (o, h, vn).
+    """State pass (+ output) from the intra stage's outputs (fwd_intra.IntraOut: kd in the layout kd_t says, qg,
+    Aqk, gam) and fwd_wu's W, U. initial_state [N, HV, K, V] fp32 or None; dtype: the dtype of v (o, h, vn).
     """
-    B, T, HV, K = intra.W.shape
-    kd_t = intra.kdt is not None
-    V = intra.U.shape[-1]
-    layout = chunk_layout(B, T, cu_seqlens)
-    dev, dt = intra.W.device, dtype
+    B, T, HV, K = W.shape
+    V = U.shape[-1]
+    dev, dt = W.device, dtype
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev) if store_o else None
-    h = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=dev) if store_h else None
+    h = torch.empty(idx.NT_total, HV, K, V, dtype=dt, device=dev) if store_h else None
     vn = torch.empty(B, T, HV, V, dtype=dt, device=dev) if store_vn else None
-    ht = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    pick = lambda x: absent(x, intra.gam)  # noqa: E731
+    ht = torch.empty(idx.N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    pick = lambda t: absent(t, gam)  # noqa: E731
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), layout.N * HV)
+        return (triton.cdiv(V, meta["BV"]), idx.N * HV)
 
     torch.library.wrap_triton(chunk_kda_fwd_kernel_state)[grid](
-        intra.W, intra.U, intra.kdt if kd_t else intra.kd, intra.qg, intra.Aqk, intra.gam, pick(initial_state),
+        W, U, kd, qg, Aqk, gam, pick(initial_state),
         pick(o), pick(h), pick(vn), pick(ht),
-        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
+        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_H=store_h, STORE_VN=store_vn,
-        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, UPCAST=INTERPRET,
+        STORE_HT=output_final_state, IS_VARLEN=idx.is_varlen, UPCAST=INTERPRET,
         PREC=dot_precision(dt), KD_T=kd_t,
     )
     return StateOut(o, h, vn, ht)
