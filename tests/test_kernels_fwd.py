@@ -179,6 +179,124 @@ def test_varlen_chunk_layout():
     assert lay.chunk_offsets.tolist() == [0, 1, 1, 3, 4]
 
 
+# ---- robustness: state strides, bad cu_seqlens, non-finite values (forward, backward, decode) ----------------
+
+def run_all(x, opts, do, dht):
+    """(o, ht) of the chunked forward, the backward's gradients (GRADS order) and (o, ht) of the decode
+    kernel, all with torch.empty poisoned (NaN)."""
+    from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton, recurrent_kda_triton
+    B, T = x.q.shape[:2]
+    with mock.patch("torch.empty", nan_empty):
+        idx = chunk_index(B, T, x.cu_seqlens)
+        o, ht, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, True)
+        grads = chunk_kda_bwd_triton(do, dht, x, opts, idx, (Aqk, Tm))
+        ro, rht = recurrent_kda_triton(x if x.initial_state is not None
+                                       else x._replace(initial_state=torch.zeros_like(ht)), opts)
+    return (o, ht), grads, (ro, rht)
+
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+
+
+def robust_case(seqlens=None, B=1, T=40, seed=0):
+    """fp32, K = 16 != V = 32 (a K / V mix-up cannot pass), GVA, gate in the op; inputs, kwargs, do, dht."""
+    c = Case(B=B, T=T, H=1, HV=2, K=16, V=32, in_op=True, dtype=torch.float32, seqlens=seqlens)
+    inputs, kw = c.make(seed=seed)
+    inputs = [t.float() for t in inputs]
+    gen = torch.Generator().manual_seed(seed + 1)
+    N = len(seqlens) if seqlens else B
+    do = torch.randn(B, T, 2, 32, generator=gen)
+    dht = torch.randn(N, 2, 16, 32, generator=gen)
+    return inputs, kw, do, dht
+
+
+def check_vs_recurrence(inputs, kw, do, dht, x, opts, tol=2e-4):
+    """Everything run_all computes for (x, opts) against autograd through the fp64 recurrence on (inputs, kw)."""
+    from kda_case import reference_grads
+    ref = reference_grads(inputs, kw, do, dht)
+    (o, ht), grads, (ro, rht) = run_all(x, opts, do, dht)
+    got = dict(o=o, ht=ht, rec_o=ro, rec_ht=rht, **{n: t for n, t in zip(GRADS, grads) if t is not None})
+    for n, t in got.items():
+        assert t.is_contiguous(), n
+        r = ref[n.replace("rec_", "")]
+        assert rel_rms(t, r) <= tol, (n, rel_rms(t, r))
+    assert set(n for n in GRADS if n in ref) <= set(got)
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout", ["v_first", "expanded", "contiguous"])
+def test_state_strides(layout):
+    """initial_state and dht are read through their strides: a V-first state passed as a transposed view, a
+    batch-expanded h0 (stride 0); forward, backward (its recompute) and the decode kernel vs the fp64
+    recurrence."""
+    inputs, kw, do, dht = robust_case(B=2, T=40)
+    h0 = kw["initial_state"]
+    if layout == "v_first":       # [N, HV, V, K] storage, passed as its [N, HV, K, V] view
+        h0_arg = h0.transpose(-1, -2).contiguous().transpose(-1, -2)
+        dht_arg = dht.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert h0_arg.stride()[-2:] == (1, 16)
+    elif layout == "expanded":    # one state for the whole batch, stride 0 on N
+        h0 = h0[:1].expand(2, -1, -1, -1)
+        kw["initial_state"] = h0.contiguous()
+        h0_arg, dht_arg = h0, dht[:1].expand(2, -1, -1, -1)
+        dht = dht_arg.contiguous()
+    else:
+        h0_arg, dht_arg = h0, dht
+    x, opts = bundles(inputs, kw, initial_state=h0_arg)
+    check_vs_recurrence(inputs, kw, do, dht, x, opts)
+    # and dht in the same layout
+    from kda_case import reference_grads
+    from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton
+    ref = reference_grads(inputs, kw, do, dht)
+    grads = chunk_kda_bwd_triton(do, dht_arg, x, opts, chunk_index(2, 40, None))
+    for n, t in zip(GRADS, grads):
+        assert rel_rms(t, ref[n]) <= 2e-4, (n, rel_rms(t, ref[n]))
+
+
+def sanitised(cu, T):
+    """What chunk_index makes of cu_seqlens values: clamped to [0, T], running maximum."""
+    out, m = [], 0
+    for c in cu:
+        m = max(m, min(max(c, 0), T))
+        out.append(m)
+    return out
+
+
+@interpreter_only
+@pytest.mark.parametrize("cu", [[0, 20, 4000], [3, 10, 20], [0, 7, 5, 30], [-9, 25, 12, 40], [0, 40, 40]])
+def test_bad_cu_seqlens(cu):
+    """cu_seqlens values that do not describe a packing of T = 40 tokens: no read or write outside the tensors
+    (poisoned scratch shows any read of unwritten memory), finite results, and the same answer as the recurrence
+    on the sequences the sanitised values describe; tokens no sequence covers get o = 0 and zero gradients."""
+    T = 40
+    cs = sanitised(cu, T)
+    lo, hi = cs[0], cs[-1]
+    inputs, kw, do, dht = robust_case(seqlens=[T], T=T)
+    N = len(cu) - 1
+    gen = torch.Generator().manual_seed(7)
+    kw["initial_state"] = torch.randn(N, 2, 16, 32, generator=gen)
+    dht = torch.randn(N, 2, 16, 32, generator=gen)
+    x, opts = bundles(inputs, kw, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    (o, ht), grads, (ro, rht) = run_all(x, opts, do, dht)
+    # the reference: the covered tokens [lo, hi) as a valid packing
+    from kda_case import reference_grads
+    sub = [t[:, lo:hi] for t in inputs]
+    ref = reference_grads(sub, dict(kw, cu_seqlens=torch.tensor([c - lo for c in cs], dtype=torch.int32)),
+                          do[:, lo:hi], dht)
+    def full(r, t):   # reference on [lo, hi), zero elsewhere  # noqa: E306
+        z = torch.zeros_like(t, dtype=torch.float64)
+        z[:, lo:hi] = r
+        return z
+    got = dict(o=o, ht=ht, rec_o=ro, rec_ht=rht, **dict(zip(GRADS, grads)))
+    for n, t in got.items():
+        assert torch.isfinite(t).all(), n
+        r = ref[n.replace("rec_", "")]
+        if n in ("o", "rec_o", "dq", "dk", "dv", "dg", "dbeta"):
+            r = full(r, t)
+            assert (t[:, :lo] == 0).all() and (t[:, hi:] == 0).all(), n
+        assert rel_rms(t, r) <= 2e-4, (n, rel_rms(t, r))
+
+
 @pytest.mark.skipif(INTERPRET, reason="this is the launcher of the interpreter run")
 def test_interpreter_suite():
     pytest.importorskip("triton")
@@ -189,4 +307,4 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 3} passed" in r.stdout, r.stdout[-2000:]
+    assert f"{len(CASES) + 3 + 3 + 5} passed" in r.stdout, r.stdout[-2000:]

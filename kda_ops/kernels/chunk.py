@@ -29,7 +29,7 @@ from .bwd_inter import chunk_kda_bwd_inter
 from .bwd_intra import chunk_kda_bwd_intra
 from .bwd_qk import chunk_kda_bwd_qk
 from .bwd_state import chunk_kda_bwd_state
-from .common import ChunkIndex
+from .common import ChunkIndex, zero_uncovered
 from .fwd_intra import IntraOut, chunk_kda_fwd_intra
 from .fwd_state import chunk_kda_fwd_state
 from .fwd_wu import chunk_kda_fwd_wu
@@ -54,7 +54,7 @@ def chunk_kda_fwd_triton(
     intra, W, U = _intra_wu(x, opts, idx, None)
     out = chunk_kda_fwd_state(W, U, intra.kd, intra.kd_t, intra.qg, intra.Aqk, intra.gam, x.initial_state, idx,
                               output_final_state, x.v.dtype, store_o=True)
-    return out.o, out.final_state, intra.Aqk, intra.Tm
+    return zero_uncovered(out.o, idx), out.final_state, intra.Aqk, intra.Tm
 
 
 def chunk_kda_bwd_triton(
@@ -97,6 +97,8 @@ def chunk_kda_bwd_triton(
     del dgam
     # 5. GVA sum and l2norm
     dq, dk = chunk_kda_bwd_qk(dq, dk, x.q, x.k, opts.use_qk_l2norm)
+    for grad in (dq, dk, dv, dg, dbeta):
+        zero_uncovered(grad, idx)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 

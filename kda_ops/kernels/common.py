@@ -32,6 +32,12 @@ def absent(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(1, dtype=torch.float32) if x is None else x
 
 
+def state_strides(x: Optional[torch.Tensor]) -> tuple:
+    """The 4 element strides of a state [N, HV, K, V] (any layout: a transposed V-first state, a batch-expanded
+    one with stride 0), read by the kernels as they are, without a copy; zeros for an absent state."""
+    return (0, 0, 0, 0) if x is None else tuple(x.stride())
+
+
 def autotune_configs(configs: list) -> list:
     """All configs on a GPU, the first one alone under the interpreter (or with KDA_OPS_AUTOTUNE=0)."""
     return configs if AUTOTUNE else configs[:1]
@@ -94,6 +100,39 @@ def chunk_index(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkInde
     local = ids - starts[seq.clamp(max=N - 1)]
     chunk_indices = torch.stack([seq, local], 1).to(torch.int32).contiguous()
     return ChunkIndex(N, NT_total, cu_safe, chunk_indices, starts.to(torch.int32).contiguous())
+
+
+@triton.jit
+def zero_uncovered_kernel(x, cu_seqlens, T, N, row, BR: tl.constexpr, BC: tl.constexpr):
+    """Zeros the token rows of x [T, row] that no sequence covers: t < cu_seqlens[0] or t >= cu_seqlens[N]
+    (cu_seqlens sanitised: non-decreasing, so these are exactly the uncovered rows). Grid (cdiv(T, BR),);
+    a program whose rows are all covered returns after two scalar loads."""
+    i_r = tl.program_id(0)
+    lo = tl.load(cu_seqlens).to(tl.int64)
+    hi = tl.load(cu_seqlens + N).to(tl.int64)
+    r0 = i_r.to(tl.int64) * BR
+    if (r0 >= lo) & (r0 + BR <= hi):
+        return
+    o_r = r0 + tl.arange(0, BR)
+    m_r = ((o_r < lo) | (o_r >= hi)) & (o_r < T)
+    for i_c in range(tl.cdiv(row, BC)):
+        o_c = i_c * BC + tl.arange(0, BC)
+        tl.store(x + o_r[:, None] * row + o_c[None, :], tl.zeros([BR, BC], dtype=x.dtype.element_ty),
+                 mask=m_r[:, None] & (o_c[None, :] < row))
+
+
+def zero_uncovered(x: torch.Tensor, idx: ChunkIndex) -> torch.Tensor:
+    """x [1, T, ...] contiguous, with the tokens that no sequence of idx covers set to 0 (in place; varlen
+    only). The chunk kernels write only covered tokens: with cu_seqlens that do not start at 0 or end at T,
+    the rest of an output would be uninitialised memory."""
+    if idx.is_varlen:
+        T = x.shape[1]
+        row = x[0, 0].numel()
+        BR = 32
+        torch.library.wrap_triton(zero_uncovered_kernel)[(triton.cdiv(T, BR),)](
+            x, idx.cu_seqlens, T, idx.N, row, BR=BR, BC=min(256, triton.next_power_of_2(max(row, 16))),
+            num_warps=4)
+    return x
 
 
 def tune_size(tokens, heads):
