@@ -23,11 +23,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kda_ops.kernels.intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_wu  # noqa: E402
-from kda_ops.kernels.chunk_bwd import chunk_kda_bwd_kernel_inter  # noqa: E402
-from kda_ops.kernels.intra_bwd import chunk_kda_bwd_kernel_gate, chunk_kda_bwd_kernel_intra  # noqa: E402
-from kda_ops.kernels.state import chunk_kda_fwd_kernel_state  # noqa: E402
-from kda_ops.kernels.state_bwd import chunk_kda_bwd_kernel_state  # noqa: E402
+from kda_ops.kernels.bwd_gate import chunk_kda_bwd_kernel_gate  # noqa: E402
+from kda_ops.kernels.bwd_inter import chunk_kda_bwd_kernel_inter  # noqa: E402
+from kda_ops.kernels.bwd_intra import chunk_kda_bwd_kernel_intra  # noqa: E402
+from kda_ops.kernels.bwd_state import chunk_kda_bwd_kernel_state  # noqa: E402
+from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra  # noqa: E402
+from kda_ops.kernels.fwd_state import chunk_kda_fwd_kernel_state  # noqa: E402
+from kda_ops.kernels.fwd_wu import chunk_kda_fwd_kernel_wu  # noqa: E402
 
 OUT = tempfile.mkdtemp(prefix="kda_sm90_")
 target = GPUTarget("cuda", 90, 32)

@@ -66,15 +66,14 @@ def check(errs: dict, got_names, ref):
 
 @pytest.mark.parametrize("c, with_dht", CASES)
 def test_bwd_launcher(c, with_dht):
-    from kda_ops.kernels import chunk_kda_bwd_triton
+    from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton
+    from kernel_inputs import bundles
     inputs, kw, do, dht = make(c)
     q, k, v, g, beta = inputs
     ref = reference_grads(inputs, kw, do, dht if with_dht else torch.zeros_like(dht))
-    out = chunk_kda_bwd_triton(
-        do, dht if with_dht else None, q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias"),
-        kw.get("initial_state"), kw.get("cu_seqlens"), q.shape[-1] ** -0.5, kw.get("lower_bound"),
-        kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
-        kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
+    x, opts = bundles(inputs, kw)
+    out = chunk_kda_bwd_triton(do, dht if with_dht else None, x, opts, chunk_index(q.shape[0], q.shape[1],
+                                                                                    x.cu_seqlens))
     got = {n: x for n, x in zip(GRADS, out) if x is not None}
     for n, x in got.items():
         assert torch.isfinite(x).all(), n

@@ -23,12 +23,12 @@ pytestmark = [
 ]
 
 KERNELS = [
-    "intra:chunk_kda_fwd_kernel_intra",
-    "intra:chunk_kda_fwd_kernel_wu",
-    "state:chunk_kda_fwd_kernel_state",
-    "state_bwd:chunk_kda_bwd_kernel_state",
-    "chunk_bwd:chunk_kda_bwd_kernel_inter",
-    "intra_bwd:chunk_kda_bwd_kernel_intra",
+    "fwd_intra:chunk_kda_fwd_kernel_intra",
+    "fwd_wu:chunk_kda_fwd_kernel_wu",
+    "fwd_state:chunk_kda_fwd_kernel_state",
+    "bwd_state:chunk_kda_bwd_kernel_state",
+    "bwd_inter:chunk_kda_bwd_kernel_inter",
+    "bwd_intra:chunk_kda_bwd_kernel_intra",
 ]
 
 
@@ -50,8 +50,8 @@ def run_all_configs(name: str) -> int:
     configs = list(kernel.configs)
     failed = 0
     # K = 128 (the benchmark's size) varlen with GVA; K = 256 and K = 64 fixed length (configs that fit only
-    # there, or spill there, have faulted before at sizes the first case does not reach: one inter config of
-    # branch next/inter-dm-vn faults at K = 64 alone, session h)
+    # there, or spill there, have faulted before at sizes the first case does not reach: an inter config that
+    # faulted at K = 64 alone)
     for c in (Case(B=1, T=331, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, in_op=True, seqlens=[100, 37, 1, 193]),
               Case(B=2, T=200, H=2, HV=2, K=256, V=256, dtype=torch.bfloat16, in_op=True),
               Case(B=2, T=200, H=2, HV=2, K=64, V=64, dtype=torch.bfloat16, in_op=True)):

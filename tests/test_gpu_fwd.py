@@ -113,12 +113,12 @@ def rel_rms(a, b) -> float:
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_chunk_kda_fwd_triton(c: Case):
-    from kda_ops.kernels import chunk_kda_fwd_triton
+    from kda_ops.kernels import chunk_index, chunk_kda_fwd_triton
+    from kda_ops.options import KDAInputs, KDAOptions
     x = make_inputs(c)
-    o, ht, _, _ = chunk_kda_fwd_triton(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
-        x["cu_seqlens"], c.D ** -0.5, c.lower_bound if c.gate else None,
-        c.l2norm, c.gate, c.beta_sigmoid, c.neg_eigval, True)
+    opts = KDAOptions(scale=c.D ** -0.5, lower_bound=c.lower_bound if c.gate else None, use_qk_l2norm=c.l2norm,
+                      use_gate=c.gate, use_beta_sigmoid=c.beta_sigmoid, allow_neg_eigval=c.neg_eigval)
+    o, ht, _, _ = chunk_kda_fwd_triton(KDAInputs(**x), opts, chunk_index(c.B, c.T, x["cu_seqlens"]), True)
     torch.cuda.synchronize()
     ro, rht = reference(c, x)
     assert o.dtype == c.dtype and ht.dtype == torch.float32
@@ -149,9 +149,12 @@ def test_public_chunk_kda(c: Case):
 
 def test_varlen_layout_compiled():
     """The varlen chunk index built by torch ops, compiled by Inductor == eager (torch 2.11's Inductor dropped
-    the storage offset of a sliced searchsorted boundary tensor: the layout now searches a fresh tensor)."""
-    from kda_ops.kernels.common import chunk_layout
-    cu = torch.tensor([0, 100, 137, 138, 331, 331, 1000], dtype=torch.int32, device="cuda")
-    eager = chunk_layout(1, 1000, cu)
-    got = torch.compile(lambda c: chunk_layout(1, 1000, c)[2:], fullgraph=True)(cu)
-    assert torch.equal(got[0], eager.chunk_indices) and torch.equal(got[1], eager.chunk_offsets)
+    the storage offset of a sliced searchsorted boundary tensor: the index searches a fresh tensor); also with
+    values chunk_index has to sanitise."""
+    from kda_ops.kernels import chunk_index
+    for vals in ([0, 100, 137, 138, 331, 331, 1000], [3, 100, 90, 5000, 331, 331, 2000]):
+        cu = torch.tensor(vals, dtype=torch.int32, device="cuda")
+        eager = chunk_index(1, 1000, cu)
+        got = torch.compile(lambda c: chunk_index(1, 1000, c)[2:], fullgraph=True)(cu)
+        for a, b in zip(got, eager[2:]):
+            assert torch.equal(a, b)

@@ -64,13 +64,13 @@ def run_case(case, seed=0, with_dht=True):
     do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(v.dtype)
     dht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64).float()
     ref = reference_grads(inputs, kw, do, dht if with_dht else torch.zeros_like(dht))
-    args = (q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"), kw.get("cu_seqlens"),
-            K ** -0.5, kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False),
-            kw.get("use_gate_in_kernel", False), kw.get("use_beta_sigmoid_in_kernel", False),
-            kw.get("allow_neg_eigval", False))
-    out = chunk_kda_bwd_triton(do, dht if with_dht else None, *args)
-    _, _, Aqk, Tm = chunk_kda_fwd_triton(*args, False)
-    out_saved = chunk_kda_bwd_triton(do, dht if with_dht else None, *args, (Aqk, Tm))
+    from kda_ops.kernels import chunk_index
+    from kernel_inputs import bundles
+    x, opts = bundles(inputs, kw)
+    idx = chunk_index(B, T, x.cu_seqlens)
+    out = chunk_kda_bwd_triton(do, dht if with_dht else None, x, opts, idx)
+    _, _, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, False)
+    out_saved = chunk_kda_bwd_triton(do, dht if with_dht else None, x, opts, idx, (Aqk, Tm))
     same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                for a, b in zip(out, out_saved))
     errs = {}

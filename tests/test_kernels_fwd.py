@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kda_case import Case, rel_rms
+from kernel_inputs import bundles
 from kda_ops.reference import _Intra, _chunk_layout, _pack, naive_recurrent_kda, preprocess
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -63,18 +64,15 @@ def nan_empty(*args, **kwargs):
     return x.fill_(float("nan")) if x.is_floating_point() else x
 
 
-def run_case(c: Case, over: dict):
+def run_case(c: Case, over: dict, seed: int = 0):
     """Returns (o, final_state) of the Triton forward (scratch and outputs poisoned) and of the fp64 recurrence."""
-    from kda_ops.kernels import chunk_kda_fwd_triton
-    (q, k, v, g, beta), kw = c.make(seed=hash(c.id) % 1000)
+    from kda_ops.kernels import chunk_index, chunk_kda_fwd_triton
+    (q, k, v, g, beta), kw = c.make(seed=seed)
     kw.update(over)
     g, beta = g.to(c.dtype), beta.to(c.dtype)
-    A_log = kw.get("A_log")
-    dt_bias = kw.get("dt_bias")
+    x, opts = bundles([q, k, v, g, beta], kw)
     with mock.patch("torch.empty", nan_empty):
-        o, ht, _, _ = chunk_kda_fwd_triton(
-            q, k, v, g, beta, A_log, dt_bias, kw.get("initial_state"), kw.get("cu_seqlens"), c.K ** -0.5,
-            kw.get("lower_bound"), c.in_op, c.in_op, c.in_op, c.allow_neg_eigval, True)
+        o, ht, _, _ = chunk_kda_fwd_triton(x, opts, chunk_index(c.B, c.T, x.cu_seqlens), True)
     d = lambda x: None if x is None else x.double()  # noqa: E731
     ref_kw = {n: d(x) if isinstance(x, torch.Tensor) and n != "cu_seqlens" else x for n, x in kw.items()}
     ro, rht = naive_recurrent_kda(d(q), d(k), d(v), d(g), d(beta), scale=c.K ** -0.5, **ref_kw)
@@ -82,10 +80,10 @@ def run_case(c: Case, over: dict):
 
 
 @interpreter_only
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_fwd_vs_recurrence(case):
-    c, over = case
-    (o, ht), (ro, rht) = run_case(c, over)
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[case_id(c) for c in CASES])
+def test_fwd_vs_recurrence(i):
+    c, over = CASES[i]
+    (o, ht), (ro, rht) = run_case(c, over, seed=i)
     assert o.dtype == c.dtype and ht.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_rms(o, ro) <= TOL[c.dtype], rel_rms(o, ro)
@@ -96,16 +94,20 @@ def test_fwd_vs_recurrence(case):
 def test_stage_outputs_vs_chunked_reference():
     """gam, beta, Aqk, Tm, W, U of the intra stage and h, Vn of the state stage (what the backward reuses)
     against the chunked torch implementation in fp64, on full chunks (T = 128)."""
-    from kda_ops.kernels.intra import chunk_kda_fwd_intra
-    from kda_ops.kernels.state import chunk_kda_fwd_state
+    from kda_ops.kernels import chunk_index
+    from kda_ops.kernels.fwd_intra import chunk_kda_fwd_intra
+    from kda_ops.kernels.fwd_state import chunk_kda_fwd_state
+    from kda_ops.kernels.fwd_wu import chunk_kda_fwd_wu
     from kda_ops.reference import _state_pass
     c = Case(B=1, T=128, H=1, HV=2, K=16, V=20, in_op=True, dtype=torch.float32)
     (q, k, v, g, beta), kw = c.make(seed=3)
     g, beta, scale = g.float(), beta.float(), c.K ** -0.5
-    out = chunk_kda_fwd_intra(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], None, scale, None,
-                              True, True, True, False)
-    st = chunk_kda_fwd_state(out, kw["initial_state"], None, False, v.dtype, store_o=False, store_h=True,
-                             store_vn=True)
+    x, opts = bundles([q, k, v, g, beta], kw)
+    idx = chunk_index(c.B, c.T, None)
+    out, kbg = chunk_kda_fwd_intra(x, opts, idx)
+    W, U = chunk_kda_fwd_wu(v, out.beta, out.Tm, kbg, idx)
+    st = chunk_kda_fwd_state(W, U, out.kd, out.kd_t, out.qg, out.Aqk, out.gam, kw["initial_state"], idx, False,
+                             v.dtype, store_o=False, store_h=True, store_vn=True)
     d = lambda x: x.double()  # noqa: E731
     qp, kp, gp, bp = preprocess(d(q), d(k), d(g), d(beta), d(kw["A_log"]), d(kw["dt_bias"]), None,
                                 True, True, True, False)
@@ -119,8 +121,8 @@ def test_stage_outputs_vs_chunked_reference():
     assert rel_rms(mine(out.beta), pk(bp)) < 1e-6
     assert rel_rms(mine(out.Aqk).masked_fill(~causal, 0), ref.aqk.masked_fill(~causal, 0)) < 1e-5
     assert rel_rms(mine(out.Tm).masked_fill(~causal, 0), ref.tm) < 1e-5
-    assert rel_rms(mine(out.W), ref.w) < 1e-5
-    assert rel_rms(mine(out.U), ref.u) < 1e-5
+    assert rel_rms(mine(W), ref.w) < 1e-5
+    assert rel_rms(mine(U), ref.u) < 1e-5
     assert rel_rms(st.h.view(c.B, NT, c.HV, c.K, c.V).transpose(1, 2), states) < 1e-5
     assert rel_rms(mine(st.vn), vn) < 1e-5
 
@@ -130,65 +132,169 @@ def test_lowp_stage_layout():
     """The forward's bf16 storage (lowp): W, qg, U, Aqk rounded copies of the fp32 ones, kd^T per chunk
     [NT_total, HV, K, 64] == the token-major fp32 kd blocks transposed, zeros past each sequence's end;
     varlen with a sequence shorter than a chunk."""
-    from kda_ops.kernels.common import chunk_layout
-    from kda_ops.kernels.intra import chunk_kda_fwd_intra
+    from kda_ops.kernels import chunk_index
+    from kda_ops.kernels.fwd_intra import chunk_kda_fwd_intra
+    from kda_ops.kernels.fwd_wu import chunk_kda_fwd_wu
     c = Case(B=1, T=105, H=1, HV=2, K=20, V=16, in_op=True, seqlens=[5, 70, 30], dtype=torch.bfloat16)
     (q, k, v, g, beta), kw = c.make(seed=5)
-    args = (q, k, v, g.to(c.dtype), beta.to(c.dtype), kw["A_log"], kw["dt_bias"], kw["cu_seqlens"],
-            c.K ** -0.5, None, True, True, True, False)
+    x, opts = bundles([q, k, v, g.to(c.dtype), beta.to(c.dtype)], kw)
+    idx = chunk_index(c.B, c.T, x.cu_seqlens)
     with mock.patch("torch.empty", nan_empty):
-        ref = chunk_kda_fwd_intra(*args)
-        low = chunk_kda_fwd_intra(*args, lowp=True)
-    assert ref.kdt is None and low.kd is None
+        ref, ref_kbg = chunk_kda_fwd_intra(x, opts, idx)
+        low, low_kbg = chunk_kda_fwd_intra(x, opts, idx, lowp=True)
+        ref_w, ref_u = chunk_kda_fwd_wu(v, ref.beta, ref.Tm, ref_kbg, idx)
+        low_w, low_u = chunk_kda_fwd_wu(v, low.beta, low.Tm, low_kbg, idx)
+    assert not ref.kd_t and low.kd_t
     # bf16 copies of the fp32 values: the interpreter truncates (relative error < 2^-7, RMS ~3.3e-3)
     tol = 6e-3
-    for name in ("W", "qg", "U", "Aqk"):
-        x, r = getattr(low, name), getattr(ref, name)
-        assert x.dtype == torch.bfloat16 and r.dtype == torch.float32, name
-        assert rel_rms(x, r) < tol, (name, rel_rms(x, r))
-    lay = chunk_layout(c.B, c.T, kw["cu_seqlens"])
-    assert low.kdt.shape == (lay.NT_total, c.HV, c.K, 64) and low.kdt.dtype == torch.bfloat16
+    for name, xl, xr in (("W", low_w, ref_w), ("qg", low.qg, ref.qg), ("U", low_u, ref_u), ("Aqk", low.Aqk, ref.Aqk)):
+        assert xl.dtype == torch.bfloat16 and xr.dtype == torch.float32, name
+        assert rel_rms(xl, xr) < tol, (name, rel_rms(xl, xr))
+    assert low.kd.shape == (idx.NT_total, c.HV, c.K, 64) and low.kd.dtype == torch.bfloat16
+    assert ref.kd.shape == (c.B, c.T, c.HV, c.K) and ref.kd.dtype == torch.float32
     N, NT, index, valid = _chunk_layout(c.B, c.T, kw["cu_seqlens"], 64, "cpu")
     blocks = _pack(ref.kd, index, valid, NT, 64)                      # [N, HV, NT, 64, K], zero padded
     for n, L in enumerate(c.seqlens):
         for i_c in range(math.ceil(L / 64)):
-            mine = low.kdt[lay.chunk_offsets[n] + i_c].transpose(-1, -2)      # [HV, 64, K]
+            mine = low.kd[idx.chunk_offsets[n] + i_c].transpose(-1, -2)       # [HV, 64, K]
             assert torch.isfinite(mine).all()
             assert rel_rms(mine, blocks[n, :, i_c]) < tol, (n, i_c)
             assert (mine[:, L - 64 * i_c:] == 0).all(), (n, i_c)             # past the sequence's end
 
 
 @interpreter_only
-@pytest.mark.parametrize("lower_bound", [None, -4.0])
-def test_prepare_stage(lower_bound):
-    """Stand-alone gate + cumsum + beta stage, varlen, against the torch gate and a per-sequence cumsum."""
-    from kda_ops.kernels.prepare import chunk_kda_fwd_prepare
-    from kda_ops.reference import beta_activation, kda_gate
-    lens, HV, K = [5, 70, 30], 2, 20
-    g, beta = torch.randn(1, sum(lens), HV, K), torch.randn(1, sum(lens), HV)
-    A_log, dt_bias = torch.randn(HV), torch.randn(HV * K)
-    cu = torch.tensor([0, 5, 75, 105], dtype=torch.int32)
-    with mock.patch("torch.empty", nan_empty):
-        gam, b = chunk_kda_fwd_prepare(g, beta, A_log, dt_bias, cu, lower_bound, True, True, True)
-    gg = kda_gate(g.double(), A_log.double(), dt_bias.double(), lower_bound)
-    # in-chunk cumsum: chunks of 64 restart inside each sequence
-    starts = sorted({s0 + c for s0, L in zip([0, 5, 75], lens) for c in range(0, L, 64)} | {105})
-    ref = torch.cat([gg[:, a:b2].cumsum(1) for a, b2 in zip(starts[:-1], starts[1:])], 1) / math.log(2)
-    assert rel_rms(gam, ref) < 1e-5
-    assert rel_rms(b, beta_activation(beta.double(), True)) < 1e-6
-
-
-@interpreter_only
 def test_varlen_chunk_layout():
-    """Static chunk bound and device-built index: every real chunk once, padding programs marked N."""
-    from kda_ops.kernels.common import chunk_layout
+    """Static chunk bound and device-built index: every real chunk once, padding programs marked N; the index
+    rebuilt from its tensors is the same."""
+    from kda_ops.kernels import ChunkIndex, chunk_index
     cu = torch.tensor([0, 5, 5, 133, 197, 198], dtype=torch.int32)   # lengths 5, 0, 128, 64, 1
-    lay = chunk_layout(1, 198, cu)
+    lay = chunk_index(1, 198, cu)
+    assert torch.equal(lay.cu_seqlens, cu) and lay.cu_seqlens.dtype == torch.int32
+    assert ChunkIndex.from_tensors(1, 198, lay.cu_seqlens, lay.chunk_indices, lay.chunk_offsets) == lay
+    assert ChunkIndex.from_tensors(2, 198, None, None, None) == chunk_index(2, 198, None) == (2, 8, None, None, None)
     assert lay.NT_total == math.ceil(198 / 64) + 5 - 1
     real = [(n, c) for n, L in enumerate([5, 0, 128, 64, 1]) for c in range(math.ceil(L / 64))]
     got = [tuple(r) for r in lay.chunk_indices.tolist()]
     assert got[:len(real)] == real and all(n == 5 for n, _ in got[len(real):])
     assert lay.chunk_offsets.tolist() == [0, 1, 1, 3, 4]
+
+
+# ---- robustness: state strides, bad cu_seqlens, non-finite values (forward, backward, decode) ----------------
+
+def run_all(x, opts, do, dht):
+    """(o, ht) of the chunked forward, the backward's gradients (GRADS order) and (o, ht) of the decode
+    kernel, all with torch.empty poisoned (NaN)."""
+    from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton, recurrent_kda_triton
+    B, T = x.q.shape[:2]
+    with mock.patch("torch.empty", nan_empty):
+        idx = chunk_index(B, T, x.cu_seqlens)
+        o, ht, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, True)
+        grads = chunk_kda_bwd_triton(do, dht, x, opts, idx, (Aqk, Tm))
+        ro, rht = recurrent_kda_triton(x if x.initial_state is not None
+                                       else x._replace(initial_state=torch.zeros_like(ht)), opts)
+    return (o, ht), grads, (ro, rht)
+
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+
+
+def robust_case(seqlens=None, B=1, T=40, seed=0):
+    """fp32, K = 16 != V = 32 (a K / V mix-up cannot pass), GVA, gate in the op; inputs, kwargs, do, dht."""
+    c = Case(B=B, T=T, H=1, HV=2, K=16, V=32, in_op=True, dtype=torch.float32, seqlens=seqlens)
+    inputs, kw = c.make(seed=seed)
+    inputs = [t.float() for t in inputs]
+    gen = torch.Generator().manual_seed(seed + 1)
+    N = len(seqlens) if seqlens else B
+    do = torch.randn(B, T, 2, 32, generator=gen)
+    dht = torch.randn(N, 2, 16, 32, generator=gen)
+    return inputs, kw, do, dht
+
+
+def check_vs_recurrence(inputs, kw, do, dht, x, opts, tol=2e-4):
+    """Everything run_all computes for (x, opts) against autograd through the fp64 recurrence on (inputs, kw)."""
+    from kda_case import reference_grads
+    ref = reference_grads(inputs, kw, do, dht)
+    (o, ht), grads, (ro, rht) = run_all(x, opts, do, dht)
+    got = dict(o=o, ht=ht, rec_o=ro, rec_ht=rht, **{n: t for n, t in zip(GRADS, grads) if t is not None})
+    for n, t in got.items():
+        assert t.is_contiguous(), n
+        r = ref[n.replace("rec_", "")]
+        assert rel_rms(t, r) <= tol, (n, rel_rms(t, r))
+    assert set(n for n in GRADS if n in ref) <= set(got)
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout", ["v_first", "expanded", "contiguous"])
+def test_state_strides(layout):
+    """initial_state and dht are read through their strides: a V-first state passed as a transposed view, a
+    batch-expanded h0 (stride 0); forward, backward (its recompute) and the decode kernel vs the fp64
+    recurrence."""
+    inputs, kw, do, dht = robust_case(B=2, T=40)
+    h0 = kw["initial_state"]
+    if layout == "v_first":       # [N, HV, V, K] storage, passed as its [N, HV, K, V] view
+        h0_arg = h0.transpose(-1, -2).contiguous().transpose(-1, -2)
+        dht_arg = dht.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert h0_arg.stride()[-2:] == (1, 16)
+    elif layout == "expanded":    # one state for the whole batch, stride 0 on N
+        h0 = h0[:1].expand(2, -1, -1, -1)
+        kw["initial_state"] = h0.contiguous()
+        h0_arg, dht_arg = h0, dht[:1].expand(2, -1, -1, -1)
+        dht = dht_arg.contiguous()
+    else:
+        h0_arg, dht_arg = h0, dht
+    x, opts = bundles(inputs, kw, initial_state=h0_arg)
+    check_vs_recurrence(inputs, kw, do, dht, x, opts)
+    # and dht in the same layout
+    from kda_case import reference_grads
+    from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton
+    ref = reference_grads(inputs, kw, do, dht)
+    grads = chunk_kda_bwd_triton(do, dht_arg, x, opts, chunk_index(2, 40, None))
+    for n, t in zip(GRADS, grads):
+        assert rel_rms(t, ref[n]) <= 2e-4, (n, rel_rms(t, ref[n]))
+
+
+def sanitised(cu, T):
+    """What chunk_index makes of cu_seqlens values: clamped to [0, T], running maximum."""
+    out, m = [], 0
+    for c in cu:
+        m = max(m, min(max(c, 0), T))
+        out.append(m)
+    return out
+
+
+@interpreter_only
+@pytest.mark.parametrize("cu", [[0, 20, 4000], [3, 10, 20], [0, 7, 5, 30], [-9, 25, 12, 40], [0, 40, 40]])
+def test_bad_cu_seqlens(cu):
+    """cu_seqlens values that do not describe a packing of T = 40 tokens: no read or write outside the tensors
+    (poisoned scratch shows any read of unwritten memory), finite results, and the same answer as the recurrence
+    on the sequences the sanitised values describe; tokens no sequence covers get o = 0 and zero gradients."""
+    T = 40
+    cs = sanitised(cu, T)
+    lo, hi = cs[0], cs[-1]
+    inputs, kw, do, dht = robust_case(seqlens=[T], T=T)
+    N = len(cu) - 1
+    gen = torch.Generator().manual_seed(7)
+    kw["initial_state"] = torch.randn(N, 2, 16, 32, generator=gen)
+    dht = torch.randn(N, 2, 16, 32, generator=gen)
+    x, opts = bundles(inputs, kw, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    (o, ht), grads, (ro, rht) = run_all(x, opts, do, dht)
+    # the reference: the covered tokens [lo, hi) as a valid packing
+    from kda_case import reference_grads
+    sub = [t[:, lo:hi] for t in inputs]
+    ref = reference_grads(sub, dict(kw, cu_seqlens=torch.tensor([c - lo for c in cs], dtype=torch.int32)),
+                          do[:, lo:hi], dht)
+    def full(r, t):   # reference on [lo, hi), zero elsewhere  # noqa: E306
+        z = torch.zeros_like(t, dtype=torch.float64)
+        z[:, lo:hi] = r
+        return z
+    got = dict(o=o, ht=ht, rec_o=ro, rec_ht=rht, **dict(zip(GRADS, grads)))
+    for n, t in got.items():
+        assert torch.isfinite(t).all(), n
+        r = ref[n.replace("rec_", "")]
+        if n in ("o", "rec_o", "dq", "dk", "dv", "dg", "dbeta"):
+            r = full(r, t)
+            assert (t[:, :lo] == 0).all() and (t[:, hi:] == 0).all(), n
+        assert rel_rms(t, r) <= 2e-4, (n, rel_rms(t, r))
 
 
 @pytest.mark.skipif(INTERPRET, reason="this is the launcher of the interpreter run")
@@ -201,4 +307,4 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 5} passed" in r.stdout, r.stdout[-2000:]
+    assert f"{len(CASES) + 3 + 3 + 5} passed" in r.stdout, r.stdout[-2000:]

@@ -41,21 +41,22 @@ def record_launches():
             return launch
 
     torch.library.wrap_triton = Recorder
-    from kda_ops.kernels import chunk_kda_bwd_triton, chunk_kda_fwd_triton
+    from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton
     from kda_ops.kernels.recurrent import recurrent_kda_triton
+    from kernel_inputs import bundles
 
     for full in (False, True):
         c = Case(B=1 if full else 2, T=70, H=2, HV=2, K=16, V=16, dtype=torch.float32, in_op=full,
                  initial_state=full, seqlens=[30, 40] if full else None)
         (q, k, v, g, beta), kw = c.make()
-        args = (q, k, v, g.float(), beta.float(), kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"),
-                kw.get("cu_seqlens"), 16 ** -0.5, kw.get("lower_bound"), full, full, full, False)
-        _, _, Aqk, Tm = chunk_kda_fwd_triton(*args, full)
+        x, opts = bundles([q, k, v, g.float(), beta.float()], kw, scale=16 ** -0.5)
+        idx = chunk_index(c.B, c.T, x.cu_seqlens)
+        _, _, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, full)
         dht = torch.randn(2, 2, 16, 16) if full else None
-        chunk_kda_bwd_triton(torch.randn_like(v), dht, *args)
-        chunk_kda_bwd_triton(torch.randn_like(v), dht, *args, (Aqk, Tm))    # with the forward's saved Aqk, Tm
+        chunk_kda_bwd_triton(torch.randn_like(v), dht, x, opts, idx)
+        chunk_kda_bwd_triton(torch.randn_like(v), dht, x, opts, idx, (Aqk, Tm))   # with the forward's Aqk, Tm
         h0 = kw.get("initial_state")
-        recurrent_kda_triton(*args[:7], h0 if h0 is not None else torch.zeros(2, 2, 16, 16), *args[8:])
+        recurrent_kda_triton(x._replace(initial_state=h0 if h0 is not None else torch.zeros(2, 2, 16, 16)), opts)
     return launches
 
 
@@ -65,7 +66,9 @@ def test_launch_arguments_do_not_alias():
                        timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     launches = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(launches) >= 2 * (2 + 6 + 1), launches          # fwd: intra + state; bwd: 6 stages; decode
+    # fwd: intra, wu, state; bwd: 8 stages; decode; varlen (the second case) adds the zeroing of uncovered tokens
+    # of o (fwd) and of the 5 token gradients (bwd)
+    assert len(launches) == 2 * (3 + 2 * 8 + 1) + 1 + 2 * 5, launches
     bad = [(name, pairs) for name, pairs in launches if pairs]
     assert not bad, f"launches with overlapping tensor arguments: {bad}"
 

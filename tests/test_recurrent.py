@@ -109,14 +109,13 @@ def test_prefill_then_steps_equals_full_chunk(case):
 # ----------------------------------------------------------------------------------------------
 def _interpreter_main():
     from kda_ops.kernels.recurrent import recurrent_kda_triton
+    from kernel_inputs import bundles
     for case in CASES:
         inputs, kw = _inputs(case)
         N = len(case.seqlens) if case.seqlens else case.B
         h0 = kw.get("initial_state", torch.zeros(N, case.HV, case.K, case.V))
-        o, ht = recurrent_kda_triton(
-            *inputs, kw.get("A_log"), kw.get("dt_bias"), h0, kw.get("cu_seqlens"), case.K ** -0.5,
-            kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
-            kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
+        x, opts = bundles(inputs, kw, initial_state=h0)
+        o, ht = recurrent_kda_triton(x, opts)
         _check(case, o, ht, inputs, kw)
         print("ok", case.id)
 

@@ -1,4 +1,5 @@
-"""Shared launch helpers for the KDA Triton kernels: chunk sizes, the varlen chunk index, autotune configs.
+"""What the KDA stages share: chunk sizes, the varlen chunk index, autotune configs, and the @triton.jit helpers
+(sequence / chunk bounds, gate and beta activation, l2norm factors, q / k row loads).
 
 Nothing here reads tensor values on the host: the varlen index is built with torch ops on the device
 and the grids are sized from shapes only (a static bound on the number of chunks).
@@ -31,41 +32,107 @@ def absent(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(1, dtype=torch.float32) if x is None else x
 
 
+def state_strides(x: Optional[torch.Tensor]) -> tuple:
+    """The 4 element strides of a state [N, HV, K, V] (any layout: a transposed V-first state, a batch-expanded
+    one with stride 0), read by the kernels as they are, without a copy; zeros for an absent state."""
+    return (0, 0, 0, 0) if x is None else tuple(x.stride())
+
+
 def autotune_configs(configs: list) -> list:
     """All configs on a GPU, the first one alone under the interpreter (or with KDA_OPS_AUTOTUNE=0)."""
     return configs if AUTOTUNE else configs[:1]
 
 
-class ChunkLayout(NamedTuple):
-    """Where each chunk program finds its work.
+class ChunkIndex(NamedTuple):
+    """Where each chunk program finds its work; built once per op call by :func:`chunk_index`.
 
-    N: number of sequences. NT_total: programs on the chunk axis (exact for fixed length, a static upper
-    bound ``cdiv(T, BT) + N - 1`` for varlen). chunk_indices [NT_total, 2] int32 (sequence, chunk in the
-    sequence; sequence == N marks a program past the real work) and chunk_offsets [N] int32 (index of
-    each sequence's first chunk in the per-chunk state tensor) exist only for varlen.
+    N: number of sequences. NT_total: programs on the chunk axis (exact for fixed length, the static upper
+    bound ``cdiv(T, BT) + N - 1`` for varlen; the per-chunk state tensors have NT_total blocks).
+    Varlen only (all None for fixed length): cu_seqlens [N + 1] int32, the sanitised copy of the user's
+    (clamped to [0, T], non-decreasing); chunk_indices [NT_total, 2] int32 (sequence, chunk in the sequence;
+    sequence == N marks a program past the real work); chunk_offsets [N] int32 (index of each sequence's first
+    chunk in the per-chunk state tensors).
     """
     N: int
     NT_total: int
+    cu_seqlens: Optional[torch.Tensor]
     chunk_indices: Optional[torch.Tensor]
     chunk_offsets: Optional[torch.Tensor]
 
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens is not None
 
-def chunk_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkLayout:
+    @classmethod
+    def from_tensors(cls, B: int, T: int, cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
+                     chunk_offsets: Optional[torch.Tensor]) -> "ChunkIndex":
+        """The index again from its three tensors (as :func:`chunk_index` built them, e.g. passed through
+        autograd) and the shapes B, T: no device work."""
+        if cu_seqlens is None:
+            return cls(B, B * triton.cdiv(T, BT), None, None, None)
+        N = cu_seqlens.shape[0] - 1
+        return cls(N, triton.cdiv(T, BT) + N - 1, cu_seqlens, chunk_indices, chunk_offsets)
+
+
+def sanitize_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """int32 copy of cu_seqlens clamped to [0, T] and made non-decreasing (running maximum), on its device
+    without a host sync: whatever the values, every sequence is a (possibly empty) range inside [0, T], so no
+    kernel reads or writes outside its tensors. Valid values are returned unchanged."""
+    cu = cu_seqlens.to(torch.int64).clamp(0, T)
+    return torch.cummax(cu, 0).values.to(torch.int32)
+
+
+def chunk_index(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkIndex:
+    """The chunk index of a call: q is [B, T, ...]; cu_seqlens [N + 1] (any integer dtype, B == 1) or None."""
     if cu_seqlens is None:
-        return ChunkLayout(B, B * triton.cdiv(T, BT), None, None)
+        return ChunkIndex.from_tensors(B, T, None, None, None)
     N = cu_seqlens.shape[0] - 1
     NT_total = triton.cdiv(T, BT) + N - 1
-    cu = cu_seqlens.to(torch.int64)
+    cu_safe = sanitize_cu_seqlens(cu_seqlens, T)
+    cu = cu_safe.to(torch.int64)
     n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT                        # [N]
     ends = n_chunks.cumsum(0)                                           # [N] one past each sequence's last chunk
     starts = ends - n_chunks                                            # [N]
     # searchsorted over a fresh tensor, never a slice: Inductor (torch 2.11) dropped the storage offset of a
-    # sliced boundaries tensor (chunk_offsets[1:]) and searched the unsliced one (seen on the H200)
+    # sliced boundaries tensor (chunk_offsets[1:]) and searched the unsliced one
     ids = torch.arange(NT_total, device=cu.device)
     seq = torch.searchsorted(ends, ids, right=True)                     # [NT_total] in [0, N]
     local = ids - starts[seq.clamp(max=N - 1)]
     chunk_indices = torch.stack([seq, local], 1).to(torch.int32).contiguous()
-    return ChunkLayout(N, NT_total, chunk_indices, starts.to(torch.int32).contiguous())
+    return ChunkIndex(N, NT_total, cu_safe, chunk_indices, starts.to(torch.int32).contiguous())
+
+
+@triton.jit
+def zero_uncovered_kernel(x, cu_seqlens, T, N, row, BR: tl.constexpr, BC: tl.constexpr):
+    """Zeros the token rows of x [T, row] that no sequence covers: t < cu_seqlens[0] or t >= cu_seqlens[N]
+    (cu_seqlens sanitised: non-decreasing, so these are exactly the uncovered rows). Grid (cdiv(T, BR),);
+    a program whose rows are all covered returns after two scalar loads."""
+    i_r = tl.program_id(0)
+    lo = tl.load(cu_seqlens).to(tl.int64)
+    hi = tl.load(cu_seqlens + N).to(tl.int64)
+    r0 = i_r.to(tl.int64) * BR
+    if (r0 >= lo) & (r0 + BR <= hi):
+        return
+    o_r = r0 + tl.arange(0, BR)
+    m_r = ((o_r < lo) | (o_r >= hi)) & (o_r < T)
+    for i_c in range(tl.cdiv(row, BC)):
+        o_c = i_c * BC + tl.arange(0, BC)
+        tl.store(x + o_r[:, None] * row + o_c[None, :], tl.zeros([BR, BC], dtype=x.dtype.element_ty),
+                 mask=m_r[:, None] & (o_c[None, :] < row))
+
+
+def zero_uncovered(x: torch.Tensor, idx: ChunkIndex) -> torch.Tensor:
+    """x [1, T, ...] contiguous, with the tokens that no sequence of idx covers set to 0 (in place; varlen
+    only). The chunk kernels write only covered tokens: with cu_seqlens that do not start at 0 or end at T,
+    the rest of an output would be uninitialised memory."""
+    if idx.is_varlen:
+        T = x.shape[1]
+        row = x[0, 0].numel()
+        BR = 32
+        torch.library.wrap_triton(zero_uncovered_kernel)[(triton.cdiv(T, BR),)](
+            x, idx.cu_seqlens, T, idx.N, row, BR=BR, BC=min(256, triton.next_power_of_2(max(row, 16))),
+            num_warps=4)
+    return x
 
 
 def tune_size(tokens, heads):
@@ -87,6 +154,17 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def seq_bounds(cu_seqlens, i_n, T):
+    """[bos, eos) of sequence i_n (int64), clamped into [0, T]: cu_seqlens comes sanitised from chunk_index;
+    the clamp keeps a kernel inside its tensors whatever it is given."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    bos = tl.minimum(tl.maximum(bos, 0), T)
+    eos = tl.minimum(tl.maximum(eos, bos), T)
+    return bos, eos
+
+
+@triton.jit
 def chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(sequence, chunk in the sequence, first token of the sequence, end of the sequence) of program i_t."""
     if IS_VARLEN:
@@ -95,8 +173,7 @@ def chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT: tl.constexpr, IS_VARL
         # a program past the real work reads sequence N - 1 with an empty range (its stores are all masked)
         valid = i_n < N
         i_n = tl.minimum(i_n, N - 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        bos, eos = seq_bounds(cu_seqlens, i_n, T)
         eos = tl.where(valid, eos, bos)
     else:
         NT = tl.cdiv(T, BT)
@@ -111,3 +188,93 @@ def lowp_dot(dtype: torch.dtype) -> bool:
     """Whether dots run on 16-bit operands (bf16/fp16 inputs). Not under the interpreter, whose bf16 dot
     is wrong (triton 3.9): there the same kernels run their dots in fp32."""
     return dtype in (torch.bfloat16, torch.float16) and not INTERPRET
+
+
+# ---- shared @triton.jit helpers of the stages ----
+
+L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EPS (kernels do not import the reference)
+# Largest |gam_i - gam_m| (log2) for which the factored dots run on the diagonal blocks too: factors stay in
+# [2^-60, 2^60], so the masked entries above the diagonal stay finite (< 2^120 |q| |k|) and nothing flushes.
+SPAN = tl.constexpr(60.0)
+
+
+@triton.jit
+def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, USE_L2NORM: tl.constexpr, EPS: tl.constexpr):
+    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps): [BT] fp32 (ones without l2norm)."""
+    o_t = tl.arange(0, BT)
+    if USE_L2NORM:
+        b_ss = tl.zeros([BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            # [BT, BK]
+            b_x = tl.load(x + (t0 + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :],
+                          mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
+            b_ss += tl.sum(b_x * b_x, axis=1)
+        return tl.rsqrt(b_ss + EPS)
+    else:
+        return tl.full([BT], 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def softplus(x):
+    # log(1 + exp(x)) without overflow
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
+                   HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   HAS_LOWER_BOUND: tl.constexpr):
+    """Loads the gate of one chunk and K-block, activates it, returns gam [BT, BK] fp32 (log2 units).
+
+    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later).
+    """
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = o_t < Tc
+    m_k = o_k < K
+    # [BT, BK]
+    p_g = g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :]
+    b_g = tl.load(p_g, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            # [BK]
+            b_g = b_g + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        if HAS_A_LOG:
+            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        else:
+            b_a = 1.0
+        if HAS_LOWER_BOUND:
+            b_g = lower_bound * tl.sigmoid(b_a * b_g)
+        else:
+            b_g = -b_a * softplus(b_g)
+        b_g = tl.where(m_t[:, None] & m_k[None, :], b_g, 0.0)
+    return tl.cumsum(b_g, axis=0) * 1.4426950408889634
+
+
+@triton.jit
+def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
+              USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr):
+    """Activated beta of one chunk: [BT] fp32 (zero past Tc)."""
+    o_t = tl.arange(0, BT)
+    m_t = o_t < Tc
+    b_beta = tl.load(beta + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+        if ALLOW_NEG_EIGVAL:
+            b_beta = 2.0 * b_beta
+        b_beta = tl.where(m_t, b_beta, 0.0)
+    return b_beta
+
+
+@triton.jit
+def load_rows(x, r, o_t, m_t, o_k, m_k, sx, sr, USE_L2NORM: tl.constexpr):
+    """Rows o_t (row strides sx of x, sr of r) of q or k as fp32 [len(o_t), BK], l2-normalised with the row
+    factors r when USE_L2NORM; zero where masked. x, r already point at the head of the chunk's first row."""
+    b_x = tl.load(x + o_t[:, None] * sx + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_x = b_x.to(tl.float32)
+    if USE_L2NORM:
+        b_x *= tl.load(r + o_t * sr, mask=m_t, other=0.0)[:, None]
+    return b_x

@@ -3,7 +3,7 @@
 
 One program per (V-block, sequence, value head) holds the state tile S [BK, BV] (BK = K padded to a
 power of two, so every program sees whole key rows) as one fp32 accumulator and walks the few tokens
-of its sequence. Per token, with the in-op pre-processing fused (ALGORITHM.md):
+of its sequence. Per token, with the in-op pre-processing fused:
 
     q, k <- l2norm(q, k)                        (USE_L2NORM; q, k of q/k head i_hv // G: grouped values)
     g    <- gate(g + dt_bias, A_log)            (USE_GATE; softplus or safe sigmoid gate)
@@ -18,17 +18,14 @@ cheaper than a second launch at decode sizes. Grid sizes come from shapes only: 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import absent, autotune_configs
-from .prepare import softplus
-
-L2NORM_EPS = tl.constexpr(1e-6)   # as kda_ops.reference.L2NORM_EPS
-
+from ..options import KDAInputs, KDAOptions
+from .common import L2NORM_EPS, absent, autotune_configs, sanitize_cu_seqlens, seq_bounds, softplus, state_strides
 
 @triton.autotune(
     configs=autotune_configs([
@@ -48,7 +45,7 @@ L2NORM_EPS = tl.constexpr(1e-6)   # as kda_ops.reference.L2NORM_EPS
 def recurrent_kda_fwd_kernel(
     q, k, v, g, beta,                        # [B, T, H, K] x2, [B, T, HV, V], [B, T, HV, K], [B, T, HV]
     A_log, dt_bias,                          # [HV], [HV * K] fp32 (dummies when absent)
-    h0,                                      # [N, HV, K, V] fp32
+    h0, s_h0n, s_h0h, s_h0k, s_h0v,          # [N, HV, K, V] fp32, any strides (given in elements)
     o, ht,                                   # out: [B, T, HV, V] (v dtype), [N, HV, K, V] fp32
     cu_seqlens,                              # [N + 1] (dummy when absent)
     scale, lower_bound, T,
@@ -63,8 +60,7 @@ def recurrent_kda_fwd_kernel(
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        bos, eos = seq_bounds(cu_seqlens, i_n, T)
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
@@ -89,8 +85,8 @@ def recurrent_kda_fwd_kernel(
             b_bias = tl.zeros([BK], dtype=tl.float32)
 
     # [BK, BV]
-    p_h = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(h0 + p_h, mask=m_kv, other=0.0).to(tl.float32)
+    p_h0 = h0 + i_n.to(tl.int64) * s_h0n + i_hv.to(tl.int64) * s_h0h
+    b_h = tl.load(p_h0 + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v, mask=m_kv, other=0.0).to(tl.float32)
     for t in range(bos, eos):
         # [BK], [BK], [BV], [BK], scalar
         b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -120,41 +116,46 @@ def recurrent_kda_fwd_kernel(
         # o = scale S^T q: sum_k [BK, 1] * [BK, BV] -> [BV]
         b_o = tl.sum((b_q * scale)[:, None] * b_h, axis=0)
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(ht + p_h, b_h, mask=m_kv)
+    tl.store(ht + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_h, mask=m_kv)
 
 
-def recurrent_kda_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
-    initial_state: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-    scale: float, lower_bound: Optional[float],
-    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
-):
-    """KDA decode step (any small T) on the GPU; same semantics as ``ops.recurrent_kda_torch``.
+def recurrent_kda_triton(x: KDAInputs, opts: KDAOptions) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KDA decode step (any small T) on the GPU; same semantics as the recurrence (kda_ops.naive_recurrent_kda).
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (raw gate when use_gate); beta [B, T, HV]
-    (logits when use_beta_sigmoid); A_log [HV] fp32 or None; dt_bias [HV * K] fp32 or None;
-    initial_state [N, HV, K, V] fp32; cu_seqlens [N + 1] with B == 1, or None. All contiguous.
+    x: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (raw gate with opts.use_gate); beta [B, T, HV]
+    (logits with opts.use_beta_sigmoid), all contiguous; A_log [HV] fp32 or None; dt_bias [HV * K] fp32 or None;
+    initial_state [N, HV, K, V] fp32 (required; any strides); cu_seqlens [N + 1] with B == 1, or None.
     Returns (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32); initial_state is not modified.
 
-    >>> o, ht = recurrent_kda_triton(q, k, v, g, beta, A_log, dt_bias, h0, None, K ** -0.5, None,
-    ...                              True, True, True, False)
+    >>> o, ht = recurrent_kda_triton(x, opts)
     """
+    q, k, v, h0, cu_seqlens = x.q, x.k, x.v, x.initial_state, x.cu_seqlens
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o = torch.empty_like(v)
+    if cu_seqlens is None:
+        o = torch.empty_like(v)
+    else:
+        # clamped to [0, T] and non-decreasing on the device (no sync): any values stay inside the tensors;
+        # tokens no sequence covers get o = 0
+        cu_seqlens = sanitize_cu_seqlens(cu_seqlens, T)
+        o = torch.zeros_like(v)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    use_gate = opts.use_gate
+    A_log = x.A_log if use_gate else None
+    dt_bias = x.dt_bias if use_gate else None
+    lower_bound = opts.lower_bound
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * HV)
     torch.library.wrap_triton(recurrent_kda_fwd_kernel)[grid](
-        q, k, v, g, beta, absent(A_log, q), absent(dt_bias, q),
-        initial_state, o, ht, absent(cu_seqlens, q),
-        float(scale), 0.0 if lower_bound is None else float(lower_bound), T,
+        q, k, v, x.g, x.beta, absent(A_log, q), absent(dt_bias, q),
+        h0, *state_strides(h0), o, ht, absent(cu_seqlens, q),
+        float(opts.scale), 0.0 if lower_bound is None else float(lower_bound), T,
         H=H, HV=HV, K=K, V=V,
-        USE_L2NORM=use_qk_l2norm, USE_GATE=use_gate, HAS_A_LOG=A_log is not None,
+        USE_L2NORM=opts.use_qk_l2norm, USE_GATE=use_gate, HAS_A_LOG=A_log is not None,
         HAS_DT_BIAS=dt_bias is not None, HAS_LOWER_BOUND=lower_bound is not None,
-        USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval, IS_VARLEN=cu_seqlens is not None,
+        USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
+        IS_VARLEN=cu_seqlens is not None,
     )
     return o, ht

@@ -24,19 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot,
+from .common import (BT, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, load_rows, lowp_dot,
                      tune_size)
-
-
-@triton.jit
-def load_rows(x, r, o_t, m_t, o_k, m_k, sx, sr, USE_L2NORM: tl.constexpr):
-    """Rows o_t (row strides sx of x, sr of r) of q or k as fp32 [len(o_t), BK], l2-normalised with the row
-    factors r when USE_L2NORM; zero where masked. x, r already point at the head of the chunk's first row."""
-    b_x = tl.load(x + o_t[:, None] * sx + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_x = b_x.to(tl.float32)
-    if USE_L2NORM:
-        b_x *= tl.load(r + o_t * sr, mask=m_t, other=0.0)[:, None]
-    return b_x
 
 
 @triton.autotune(
@@ -203,7 +192,7 @@ def chunk_kda_bwd_inter(
     q: torch.Tensor, k: torch.Tensor, rq: Optional[torch.Tensor], rk: Optional[torch.Tensor],
     v: torch.Tensor, gam: torch.Tensor, beta: torch.Tensor, Tm: torch.Tensor,
     h: torch.Tensor, vn: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, dvn: torch.Tensor,
-    cu_seqlens: Optional[torch.Tensor], scale: float,
+    idx: ChunkIndex, scale: float,
 ):
     """Stage 2 launcher.
 
@@ -215,11 +204,10 @@ def chunk_kda_bwd_inter(
     fp32 dbeta (partial) [B, T, HV].
 
     >>> dq, dk, dgam, dv, dAqk, dM, dbeta = chunk_kda_bwd_inter(q, k, rq, rk, v, intra.gam, intra.beta,
-    ...     intra.Tm, st.h, st.vn, do, dh, dvn, None, K ** -0.5)
+    ...     intra.Tm, st.h, st.vn, do, dh, dvn, idx, K ** -0.5)
     """
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
-    layout = chunk_layout(B, T, cu_seqlens)
     dev, f32 = q.device, torch.float32
     dq = torch.empty(B, T, HV, K, dtype=f32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=f32, device=dev)
@@ -228,17 +216,17 @@ def chunk_kda_bwd_inter(
     dAqk = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     dM = torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     dbeta = torch.zeros(B, T, HV, dtype=f32, device=dev)
-    pick = lambda x: absent(x, gam)  # noqa: E731
+    pick = lambda t: absent(t, gam)  # noqa: E731
 
     def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) + 1, layout.NT_total, HV)
+        return (triton.cdiv(K, meta["BK"]) + 1, idx.NT_total, HV)
 
     torch.library.wrap_triton(chunk_kda_bwd_kernel_inter)[grid](
         q, k, pick(rq), pick(rk), v, gam, beta, Tm, h, vn, do, dh, dvn,
         dq, dk, dgam, dv, dAqk, dM, dbeta,
-        pick(cu_seqlens), pick(layout.chunk_indices), float(scale), T, layout.N, H, HV, tune_size(B * T, HV),
+        pick(idx.cu_seqlens), pick(idx.chunk_indices), float(scale), T, idx.N, H, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT,
-        USE_L2NORM=rq is not None, IS_VARLEN=cu_seqlens is not None,
+        USE_L2NORM=rq is not None, IS_VARLEN=idx.is_varlen,
         PREC=dot_precision(v.dtype), LOWP_DOT=lowp_dot(v.dtype),
     )
     return dq, dk, dgam, dv, dAqk, dM, dbeta

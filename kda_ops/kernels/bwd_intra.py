@@ -1,4 +1,4 @@
-"""Backward stage 3: the pairwise in-chunk terms, the reverse in-chunk cumsum, the gate and beta chain rule.
+"""Backward stage 3: the pairwise in-chunk terms and the beta chain rule (the cumsum and gate follow in bwd_gate.py).
 
 Aqk[i, j] = scale sum_d q_i k_j exp(Gam_i - Gam_j) (j <= i) and Akk[i, j] = sum_d k_i k_j exp(Gam_i - Gam_j)
 (j < i). Given dAqk (= P, with the scale) and dM (stage 2), dAkk = beta_i dM:
@@ -7,17 +7,16 @@ Aqk[i, j] = scale sum_d q_i k_j exp(Gam_i - Gam_j) (j <= i) and Akk[i, j] = sum_
     X_i    = sum_j dM_ij k_j e_ij            dk_i += beta_i X_i           dbeta_i += <k_i, X_i>
     dGam  += q dq_a + k (beta X - dk_a)
 
-e_ij = exp(Gam_i - Gam_j) is never formed as exp(Gam_i) exp(-Gam_j) over a span that can overflow. Two
-kernels:
+e_ij = exp(Gam_i - Gam_j) is never formed as exp(Gam_i) exp(-Gam_j) over a span that can overflow.
 
-1. chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head): grid (NT_total * 4, HV).
+chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head): grid (NT_total * 4, HV).
    It loops over K-blocks (the decay is elementwise in K) and owns the rows r0..r0+15 of the chunk: the
    row-direction sums dq_a, X of those rows and the column-direction sum dk_a of those columns. Each sum is
    a loop over the chunk's other 16-row blocks c, one [16, 16] @ [16, BK] tensor-core dot per block, factored
    around a reference row of block r: row direction over the blocks c <= r (P and dM rows r0..r0+15, columns
    of block c), column direction over the blocks c >= r (P and dM rows of block c, columns r0..r0+15, loaded
    transposed: element (a, b) = P[c0 + b, r0 + a]). Per K-block one of two cases, chosen in the kernel from
-   the data (no host sync), with the same test (over the whole chunk) and SPAN as the forward (intra.py):
+   the data (no host sync), with the same test (over the whole chunk) and SPAN as the forward (fwd_intra.py):
    * fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the
      middle row m of block r, and the dots cover the diagonal block c = r too: row side exp2(gam_i - gam_m),
      column side exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one
@@ -30,9 +29,7 @@ kernels:
    It completes dq and dk of its rows in place, writes its rows' dGam (stage 2's dgam plus the terms above)
    over the dgam buffer, and writes its rows' dbeta (<k_i, X_i> summed over K-blocks, plus stage 2's, through
    the beta chain rule).
-2. chunk_kda_bwd_kernel_gate, one program per (chunk, value head): dg = reverse cumsum of dGam over the
-   chunk's 64 rows (rows that four programs of kernel 1 wrote), the gate chain rule, and per-program partial
-   sums for dA_log / ddt_bias.
+bwd_gate.py then turns each chunk's dGam rows (written by four programs of this kernel) into dg.
 """
 from __future__ import annotations
 
@@ -42,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_bwd import load_rows
-from .common import BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, tune_size
-from .intra import SPAN
+from ..options import KDAInputs, KDAOptions
+from .common import (BC, BT, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, load_rows,
+                     tune_size)
 
 
 @triton.autotune(
@@ -212,118 +209,33 @@ def chunk_kda_bwd_kernel_intra(
     tl.store(dbeta + o_i * HV, b_db.to(dbeta.dtype.element_ty), mask=m_i)
 
 
-@triton.jit
-def chunk_kda_bwd_kernel_gate(
-    dgam, g_raw, A_log, dt_bias,               # inputs (dgam: dGam from chunk_kda_bwd_kernel_intra)
-    dg, dA_log_p, ddt_bias_p,                  # outputs
-    cu_seqlens, chunk_indices, lower_bound, T, N, HV,
-    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_ALOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):
-    """One program per (chunk, value head): grid (NT_total, HV). dg = reverse cumsum of dGam, the gate chain rule."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
-    t0 = bos + i_c * BT
-    if t0 >= eos:
-        return
-    Tc = tl.minimum(eos - t0, BT).to(tl.int32)
-    sg = HV * K
-    dgam += t0 * sg + i_hv * K
-    dg += t0 * sg + i_hv * K
-    g_raw += t0 * sg + i_hv * K
-
-    o_t = tl.arange(0, BT)
-    m_t = o_t < Tc
-    b_dalog = tl.zeros([BK], dtype=tl.float32)
-    b_a = 1.0
-    if USE_GATE:
-        if HAS_ALOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = o_t[:, None] * sg + o_k[None, :]
-        # [BT, BK] dg = reverse cumsum of dGam inside the chunk
-        b_dg = tl.cumsum(tl.load(dgam + p_tk, mask=m_tk, other=0.0), 0, reverse=True)
-        if USE_GATE:
-            b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                b_xg += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-            if USE_LOWER_BOUND:
-                lb = tl.cast(lower_bound, tl.float32)
-                b_ax = b_a * b_xg
-                b_s = tl.sigmoid(b_ax)
-                b_dax = b_dg * lb * b_s * (1.0 - b_s)
-                b_dx = b_dax * b_a
-                b_dalog += tl.sum(tl.where(m_tk, b_dax * b_ax, 0.0), 0)
-            else:
-                # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
-                b_sp = tl.maximum(b_xg, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_xg)))
-                b_dx = -b_a * tl.sigmoid(b_xg) * b_dg
-                b_dalog += tl.sum(tl.where(m_tk, -b_a * b_sp * b_dg, 0.0), 0)
-            b_dx = tl.where(m_tk, b_dx, 0.0)
-            tl.store(dg + p_tk, b_dx.to(dg.dtype.element_ty), mask=m_tk)
-            if HAS_BIAS:
-                tl.store(ddt_bias_p + (i_t * HV + i_hv) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
-        else:
-            tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
-    if USE_GATE:
-        if HAS_ALOG:
-            tl.store(dA_log_p + i_t * HV + i_hv, tl.sum(b_dalog, 0))
-
-
 def chunk_kda_bwd_intra(
-    q: torch.Tensor, k: torch.Tensor, rq: Optional[torch.Tensor], rk: Optional[torch.Tensor],
+    x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, rq: Optional[torch.Tensor], rk: Optional[torch.Tensor],
     gam: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor, dM: torch.Tensor,
     dq: torch.Tensor, dk: torch.Tensor, dgam: torch.Tensor, dbeta_p: torch.Tensor,
-    g: torch.Tensor, beta_raw: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], lower_bound: Optional[float],
-    use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
 ):
-    """Stage 3 launcher (two kernels).
+    """Row-block kernel launcher. x: the op's inputs (q, k [B, T, H, K] raw; beta [B, T, HV] the raw beta);
+    rq, rk [B, T, H] fp32 l2norm row factors or None; gam fp32 [B, T, HV, K] (log2); beta [B, T, HV] activated;
+    dAqk, dM fp32 [B, T, HV, 64]; dq, dk, dgam fp32 [B, T, HV, K] and dbeta_p fp32 [B, T, HV] from bwd_inter
+    (dq, dk are completed in place, dgam is overwritten with dGam).
+    Returns (dq, dk fp32 [B, T, HV, K] w.r.t. the normalised q/k per value head, dbeta [B, T, HV] in
+    x.beta.dtype).
 
-    q, k [B, T, H, K] raw, rq, rk [B, T, H] fp32 l2norm row factors or None; gam fp32 [B, T, HV, K] (log2);
-    beta [B, T, HV] activated; dAqk, dM fp32 [B, T, HV, 64]; dq, dk, dgam fp32 [B, T, HV, K] and dbeta_p
-    fp32 [B, T, HV] from stage 2 (dq, dk are completed in place, dgam is overwritten with dGam);
-    g [B, T, HV, K] (raw gate when use_gate); beta_raw [B, T, HV] (the op's input); A_log [HV],
-    dt_bias [HV * K] or None.
-    Returns (dq, dk fp32 [B, T, HV, K] w.r.t. the normalised q/k per value head, dg [B, T, HV, K] in g.dtype,
-    dbeta [B, T, HV] in beta_raw.dtype, dA_log [HV] fp32 or None, ddt_bias [HV * K] fp32 or None).
-
-    >>> dq, dk, dg, dbeta, dA_log, ddt_bias = chunk_kda_bwd_intra(q, k, rq, rk, intra.gam, intra.beta, dAqk,
-    ...     dM, dq, dk, dgam, dbeta_p, g, beta, A_log, dt_bias, None, None, True, True, False)
+    >>> dq, dk, dbeta = chunk_kda_bwd_intra(x, opts, idx, rq, rk, intra.gam, intra.beta, dAqk, dM, dq, dk, dgam,
+    ...                                     dbeta_p)
     """
+    q, k, beta_raw = x.q, x.k, x.beta
     B, T, H, K = q.shape
     HV = gam.shape[2]
-    layout = chunk_layout(B, T, cu_seqlens)
-    dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta_raw)
-    has_alog = use_gate and A_log is not None
-    has_bias = use_gate and dt_bias is not None
-    # per-program partial sums (zero for programs past the real work), reduced below: no atomics, no sync
-    dA_log_p = torch.zeros(layout.NT_total, HV, dtype=torch.float32, device=q.device) if has_alog else None
-    ddt_bias_p = torch.zeros(layout.NT_total, HV, K, dtype=torch.float32, device=q.device) if has_bias else None
-    pick = lambda x: absent(x, gam)  # noqa: E731
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_intra)[(layout.NT_total * (BT // BC), HV)](
+    pick = lambda t: absent(t, gam)  # noqa: E731
+    torch.library.wrap_triton(chunk_kda_bwd_kernel_intra)[(idx.NT_total * (BT // BC), HV)](
         q, k, pick(rq), pick(rk), gam, beta, dAqk, dM, beta_raw,
         dq, dk, dgam, dbeta_p,
         dbeta,
-        pick(cu_seqlens), pick(layout.chunk_indices),
-        T, layout.N, H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
-        USE_L2NORM=rq is not None, USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
+        pick(idx.cu_seqlens), pick(idx.chunk_indices),
+        T, idx.N, H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
+        USE_L2NORM=rq is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
+        IS_VARLEN=idx.is_varlen, PREC=dot_precision(q.dtype),
     )
-    # after the kernel above: each chunk's dGam rows come from four of its programs
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_gate)[(layout.NT_total, HV)](
-        dgam, g, pick(A_log if has_alog else None), pick(dt_bias if has_bias else None),
-        dg, pick(dA_log_p), pick(ddt_bias_p),
-        pick(cu_seqlens), pick(layout.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),
-        T, layout.N, HV, K=K, BT=BT, BK=min(32, max(16, triton.next_power_of_2(K))),     # 92 registers
-        USE_GATE=use_gate, USE_LOWER_BOUND=lower_bound is not None, HAS_ALOG=has_alog, HAS_BIAS=has_bias,
-        IS_VARLEN=cu_seqlens is not None, num_warps=4,
-    )
-    dA_log = dA_log_p.sum(0) if has_alog else None
-    ddt_bias = ddt_bias_p.sum(0).reshape(HV * K) if has_bias else None
-    return dq, dk, dg, dbeta, dA_log, ddt_bias
+    return dq, dk, dbeta

@@ -1,4 +1,4 @@
-"""Backward stage 4: q/k gradients back through the pre-processing.
+"""Backward stage 5: q/k gradients back through the pre-processing.
 
 Sums the per-value-head gradients over the G = HV // H value heads that share a q/k head (grouped-value
 attention), then, with the l2norm in the op, y = x r, r = (|x|^2 + eps)^-1/2: dx = r (dy - y <y, dy>).
@@ -9,9 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-# eps of the l2norm, x / sqrt(sum(x^2) + eps): the same constant as kda_ops.reference.L2NORM_EPS
-# (kernels do not import the reference).
-L2NORM_EPS = 1e-6
+from .common import L2NORM_EPS
 
 
 @triton.jit
@@ -64,7 +62,7 @@ def chunk_kda_bwd_qk(dq_hv: torch.Tensor, dk_hv: torch.Tensor, q: torch.Tensor, 
     BT = max(8, 2048 // BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     torch.library.wrap_triton(chunk_kda_bwd_kernel_qk)[(triton.cdiv(B * T, BT), H)](
-        dq_hv, dk_hv, q, k, dq, dk, B * T, L2NORM_EPS,
+        dq_hv, dk_hv, q, k, dq, dk, B * T, float(L2NORM_EPS.value),
         H=H, HV=HV, K=K, BT=BT, BK=BK, USE_L2NORM=use_qk_l2norm, num_warps=4,
     )
     return dq, dk

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, INTERPRET, absent, autotune_configs, chunk_layout, dot_precision, tune_size
-from .intra import IntraOut
+from .common import (BT, INTERPRET, ChunkIndex, absent, autotune_configs, dot_precision, seq_bounds, state_strides,
+                     tune_size)
 
 
 @triton.autotune(
@@ -54,7 +54,7 @@ def chunk_kda_fwd_kernel_state(
     W, U, kd, qg, Aqk, gam,                  # from intra: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
                                              #   [NT_total,HV,K,BT], [B,T,HV,K], [B,T,HV,BT], [B,T,HV,K] fp32
                                              #   (all but gam bf16 in a bf16 forward, else fp32)
-    h0,                                      # [N, HV, K, V] fp32
+    h0, s_h0n, s_h0h, s_h0k, s_h0v,          # [N, HV, K, V] fp32, any strides (given in elements)
     o, h, vn, ht,                            # out: [B,T,HV,V], [NT_total, HV, K, V], [B,T,HV,V], [N, HV, K, V] fp32
     cu_seqlens, chunk_offsets, T, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
@@ -79,8 +79,7 @@ def chunk_kda_fwd_kernel_state(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = (i_nh // HV).to(tl.int64), i_nh % HV
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        bos, eos = seq_bounds(cu_seqlens, i_n, T)
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         bos = (i_n * T).to(tl.int64)
@@ -117,7 +116,8 @@ def chunk_kda_fwd_kernel_state(
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_s += tl.load(h0 + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0.0)
+        p_h0 = h0 + i_n * s_h0n + i_hv.to(tl.int64) * s_h0h
+        b_s += tl.load(p_h0 + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v, mask=m_kv, other=0.0)
     for i_c in range(NT):
         m_t = (i_c * BT + o_t) < T_n
         m_tk = m_t[:, None] & m_k[None, :]
@@ -167,35 +167,32 @@ class StateOut(NamedTuple):
 
 
 def chunk_kda_fwd_state(
-    intra: IntraOut, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    output_final_state: bool, dtype: torch.dtype,
-    store_o: bool = True, store_h: bool = False, store_vn: bool = False,
+    W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, kd_t: bool, qg: torch.Tensor, Aqk: torch.Tensor,
+    gam: torch.Tensor, initial_state: Optional[torch.Tensor], idx: ChunkIndex, output_final_state: bool,
+    dtype: torch.dtype, store_o: bool = True, store_h: bool = False, store_vn: bool = False,
 ) -> StateOut:
-    """State pass (+ output) from :func:`kda_ops.kernels.intra.chunk_kda_fwd_intra`'s outputs.
-
-    initial_state [N, HV, K, V] fp32 or None; cu_seqlens [N + 1] or None; dtype: the dtype of v (o, h, vn).
+    """State pass (+ output) from the intra stage's outputs (fwd_intra.IntraOut: kd in the layout kd_t says, qg,
+    Aqk, gam) and fwd_wu's W, U. initial_state [N, HV, K, V] fp32 (any strides) or None; dtype: the dtype of v (o, h, vn).
     """
-    B, T, HV, K = intra.W.shape
-    kd_t = intra.kdt is not None
-    V = intra.U.shape[-1]
-    layout = chunk_layout(B, T, cu_seqlens)
-    dev, dt = intra.W.device, dtype
+    B, T, HV, K = W.shape
+    V = U.shape[-1]
+    dev, dt = W.device, dtype
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev) if store_o else None
-    h = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=dev) if store_h else None
+    h = torch.empty(idx.NT_total, HV, K, V, dtype=dt, device=dev) if store_h else None
     vn = torch.empty(B, T, HV, V, dtype=dt, device=dev) if store_vn else None
-    ht = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    pick = lambda x: absent(x, intra.gam)  # noqa: E731
+    ht = torch.empty(idx.N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    pick = lambda t: absent(t, gam)  # noqa: E731
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), layout.N * HV)
+        return (triton.cdiv(V, meta["BV"]), idx.N * HV)
 
     torch.library.wrap_triton(chunk_kda_fwd_kernel_state)[grid](
-        intra.W, intra.U, intra.kdt if kd_t else intra.kd, intra.qg, intra.Aqk, intra.gam, pick(initial_state),
+        W, U, kd, qg, Aqk, gam, pick(initial_state), *state_strides(initial_state),
         pick(o), pick(h), pick(vn), pick(ht),
-        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
+        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_H=store_h, STORE_VN=store_vn,
-        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, UPCAST=INTERPRET,
+        STORE_HT=output_final_state, IS_VARLEN=idx.is_varlen, UPCAST=INTERPRET,
         PREC=dot_precision(dt), KD_T=kd_t,
     )
     return StateOut(o, h, vn, ht)

@@ -1,10 +1,9 @@
 """Stage 2 of the forward: everything inside one chunk that does not depend on the state.
 
-Two launches, each one program per (chunk, value head). The first (chunk_kda_fwd_kernel_intra, with
-prepare.py's helpers fused in) computes gam, beta, Aqk, L and Tm, and kd and qg from the q, k and gam tiles it
-loads anyway; the second (chunk_kda_fwd_kernel_wu) computes W and U from the stored Tm. The first needs ~240
-registers per thread in every phase (two programs per SM at 4 warps); the second needs far fewer, so it runs
-more programs per SM.
+One program per (chunk, value head): the gate and beta activation (common.py's helpers), gam, beta, Aqk, L
+and Tm, and kd, qg and kbg from the q, k and gam tiles it loads anyway; W and U follow from Tm and kbg in
+fwd_wu.py. This kernel needs ~240 registers per thread in every phase (two programs per SM at 4 warps); the W/U
+kernel needs far fewer, so it runs more programs per SM.
 
     gam      [BT, K]   in-chunk cumsum of the activated log decay, log2 units (stored: the kernel re-reads it)
     Aqk      [BT, BT]  scale * sum_d q_i k_j exp2(gam_i - gam_j), j <= i
@@ -12,9 +11,9 @@ more programs per SM.
     Tm       [BT, BT]  (I + L)^-1, unit lower triangular
     W        [BT, K]   Tm diag(beta) (k * exp2(gam))
     U        [BT, V]   Tm diag(beta) v
-    kd       [BT, K]   k * exp2(gam_last - gam)          (the state update's key, read by state.py;
+    kd       [BT, K]   k * exp2(gam_last - gam)          (the state update's key, read by fwd_state.py;
                                                           stored as kd^T [K, BT] per chunk in the forward)
-    qg       [BT, K]   scale * q * exp2(gam)             (the output's query, read by state.py)
+    qg       [BT, K]   scale * q * exp2(gam)             (the output's query, read by fwd_state.py)
 
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
 exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded).
@@ -34,7 +33,7 @@ Storage, two modes (``lowp``, see IntraOut):
 * forward and the backward's recompute (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam)
   in bf16, so that W and U are bf16 dots (o 2.38e-3 -> 2.90e-3 relative RMS in benchmarks/precision_bf16.py);
   W, qg, U, Aqk and kd in bf16, so that every dot of the state pass is a bf16 dot; kd goes out transposed, one
-  [K, BT] block per (chunk, value head) (``kdt``), so the state pass loads kd^T as a plain row-major tile.
+  [K, BT] block per (chunk, value head) (``kd_t``), so the state pass loads kd^T as a plain row-major tile.
   Rounding U, Aqk, kd, W, qg and the dot operands S and Vn to bf16 together costs ~2.4e-3 relative RMS on the
   output and on the final state vs fp64 (U, Aqk or Vn alone ~1.6e-3, since U - W S cancels; kd alone ~1.7e-3
   on the state; W, qg and S together ~3e-4: benchmarks/precision_bf16.py).
@@ -51,33 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BC, BT, absent, autotune_configs, chunk_bounds, chunk_layout, dot_precision, lowp_dot,
-                     tune_size)
-from .prepare import load_beta, load_gam_block
-
-L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EPS (kernels do not import the reference)
-# Largest |gam_i - gam_m| (log2) for which the factored dots run on the diagonal blocks too: factors stay in
-# [2^-60, 2^60], so the masked entries above the diagonal stay finite (< 2^120 |q| |k|) and nothing flushes.
-SPAN = tl.constexpr(60.0)
-
-
-@triton.jit
-def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, USE_L2NORM: tl.constexpr, EPS: tl.constexpr):
-    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps): [BT] fp32 (ones without l2norm)."""
-    o_t = tl.arange(0, BT)
-    if USE_L2NORM:
-        b_ss = tl.zeros([BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            # [BT, BK]
-            b_x = tl.load(x + (t0 + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :],
-                          mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        return tl.rsqrt(b_ss + EPS)
-    else:
-        return tl.full([BT], 1.0, dtype=tl.float32)
-
+from ..options import KDAInputs, KDAOptions
+from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
+                     l2norm_rscale, load_beta, load_gam_block, lowp_dot, tune_size)
 
 @triton.autotune(
     configs=autotune_configs([
@@ -279,167 +254,91 @@ def chunk_kda_fwd_kernel_intra(
         tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
 
 
-@triton.autotune(
-    configs=autotune_configs([
-        triton.Config({"BK": 32}, num_warps=4, num_stages=1),
-        triton.Config({"BK": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BK": 64}, num_warps=4, num_stages=2),
-        triton.Config({"BK": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BK": 32}, num_warps=8, num_stages=1),
-        triton.Config({"BK": 32}, num_warps=8, num_stages=2),
-    ]),
-    key=["K", "V", "PREC", "TUNE_SIZE"],
-)
-@triton.jit
-def chunk_kda_fwd_kernel_wu(
-    v, beta_act, Tm, kbg,                    # [B,T,HV,V]; fp32 [B,T,HV]; [B,T,HV,BT], [B,T,HV,K]
-    W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (Tm, kbg, W, U bf16 in a bf16 forward,
-                                             #   else fp32)
-    cu_seqlens, chunk_indices, T, N, HV, TUNE_SIZE,
-    K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
-):
-    """W = Tm kbg and U = Tm diag(beta) v of one (chunk, value head), from chunk_kda_fwd_kernel_intra's Tm and
-    kbg: grid (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer
-    registers than the Aqk / inverse kernel, so more programs share an SM. In a bf16 forward both are bf16
-    dots (benchmarks/precision_bf16.py, row 'Tm': o 2.38e-3 -> 2.90e-3)."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
-    t0 = bos + i_c * BT
-    if t0 >= eos:
-        return
-    Tc = tl.minimum(eos - t0, BT)
-    if LOWP_DOT:
-        DOT_DT = W.dtype.element_ty
-    else:
-        DOT_DT = tl.float32
-    o_t = tl.arange(0, BT)
-    m_t = o_t < Tc
-    sg = HV * K
-    sv = HV * V
-    sa = HV * BT
-    v += t0 * sv + i_hv * V
-    kbg += t0 * sg + i_hv * K
-    W += t0 * sg + i_hv * K
-    U += t0 * sv + i_hv * V
-    Tm += t0 * sa + i_hv * BT
-    b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
-    # [BT, BT]
-    b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
-    # W over K-blocks and U over V-blocks
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p_tk = o_t[:, None] * sg + o_k[None, :]
-        # [BT, BT] @ [BT, BK] -> [BT, BK]
-        b_w = tl.dot(b_tm, tl.load(kbg + p_tk, mask=m_tk, other=0.0).to(DOT_DT), input_precision=PREC)
-        tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v[None, :] < V)
-        # [BT, BV]
-        b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        # [BT, BT] @ [BT, BV] -> [BT, BV]
-        b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
-        tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
-
-
 class IntraOut(NamedTuple):
     """What :func:`chunk_kda_fwd_intra` stores (token-major like the inputs unless said; BT = 64).
 
-    Always fp32: gam [B,T,HV,K] log2 units; beta [B,T,HV] activated. Tm [B,T,HV,BT] (I + L)^-1: fp32, or bf16
-    when built with lowp from bf16 inputs.
+    Always fp32: gam [B,T,HV,K] log2 units; beta [B,T,HV] activated.
+    In ``wdt`` (bf16 when built with lowp from bf16 inputs, else fp32): Tm [B,T,HV,BT] (I + L)^-1;
     Aqk [B,T,HV,BT] (row i of a chunk at its token, column j = position in the chunk, scale included, zero
-    for j > i); W [B,T,HV,K]; U [B,T,HV,V]; qg [B,T,HV,K] = scale q exp2(gam): fp32, or bf16 when built with
-    lowp from bf16 inputs (q, k l2-normalised when use_qk_l2norm).
-    kd = k exp2(gam_last - gam), in exactly one of two fields:
-    * kd [B,T,HV,K] fp32, token-major (lowp off, or fp16 / fp32 inputs; kdt is None);
-    * kdt [NT_total,HV,K,BT] bf16 (lowp with bf16 inputs; kd is None): kd^T, one [K, BT] block per (chunk,
-      value head), chunk c of sequence n at n * cdiv(T, BT) + c, or chunk_offsets[n] + c for varlen (the
-      layout of the per-chunk states); columns past a sequence's end are zeros.
+    for j > i); qg [B,T,HV,K] = scale q exp2(gam) (q, k l2-normalised when use_qk_l2norm).
+    kd = k exp2(gam_last - gam), in the layout kd_t says:
+    * kd_t False: [B,T,HV,K] fp32, token-major (lowp off, or fp16 / fp32 inputs);
+    * kd_t True: [NT_total,HV,K,BT] bf16 (lowp with bf16 inputs): kd^T, one [K, BT] block per (chunk, value
+      head), chunk c of sequence n at n * cdiv(T, BT) + c, or chunk_offsets[n] + c for varlen (the layout of the
+      per-chunk states); columns past a sequence's end are zeros.
     rq, rk [B,T,H] fp32: the l2norm row factors 1 / sqrt(|x|^2 + eps) of q and k (use_qk_l2norm; else None).
     """
     gam: torch.Tensor
     beta: torch.Tensor
     Aqk: torch.Tensor
     Tm: torch.Tensor
-    W: torch.Tensor
-    U: torch.Tensor
-    kd: Optional[torch.Tensor]
+    kd: torch.Tensor
+    kd_t: bool
     qg: torch.Tensor
-    kdt: Optional[torch.Tensor] = None
-    rq: Optional[torch.Tensor] = None
-    rk: Optional[torch.Tensor] = None
+    rq: Optional[torch.Tensor]
+    rk: Optional[torch.Tensor]
 
 
-def chunk_kda_fwd_intra(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, lower_bound: Optional[float],
-    use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool, lowp: bool = False,
-    saved: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-) -> IntraOut:
-    """Pre-processing + intra-chunk stage. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV];
-    A_log [HV] or None; dt_bias [HV*K] or None; cu_seqlens [N+1] or None (B == 1). Inputs contiguous.
-    lowp: when v is bf16, store W, qg, U, Aqk in bf16 and kd transposed per chunk in bf16 (``kdt``: what the
+def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: bool = False,
+                        saved: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                        ) -> Tuple[IntraOut, torch.Tensor]:
+    """Pre-processing + intra-chunk stage (one launch). Uses x.q, x.k [B,T,H,K]; x.v [B,T,HV,V] (shape and dtype);
+    x.g [B,T,HV,K]; x.beta [B,T,HV]; x.A_log [HV] / x.dt_bias [HV*K] (with opts.use_gate) or None; all
+    contiguous. idx: the call's chunk index.
+    lowp: when v is bf16, store Tm, kbg, qg, Aqk in bf16 and kd transposed per chunk in bf16 (kd_t: what the
     forward's state pass reads; the backward's recompute uses it too); fp32 and token-major otherwise.
     saved: (Aqk, Tm) of a forward with the same inputs and lowp (the backward): taken as they are, and the
-    kernel skips Aqk, L and the inverse (the bulk of its work); W, U and the rest are computed as always.
+    kernel skips Aqk, L and the inverse (the bulk of its work); the rest is computed as always.
+    Returns (IntraOut, kbg): kbg [B,T,HV,K] = beta k exp2(gam) in Tm's dtype, W's right operand (fwd_wu.py),
+    transient.
 
-    >>> out = chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, None, K ** -0.5, None,
-    ...                           True, True, True, False)
+    >>> out, kbg = chunk_kda_fwd_intra(x, opts, chunk_index(B, T, None))
     """
+    q, k, v = x.q, x.k, x.v
     B, T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    layout = chunk_layout(B, T, cu_seqlens)
+    HV = v.shape[-2]
     dev = q.device
     f32 = torch.float32
     kd_t = lowp and v.dtype == torch.bfloat16     # fp16: S could overflow as a dot operand
     wdt = v.dtype if kd_t else f32
     if saved is not None:
-        for name, x in zip(("Aqk", "Tm"), saved):
-            if x.shape != (B, T, HV, BT) or x.dtype != wdt or not x.is_contiguous():
+        for name, t in zip(("Aqk", "Tm"), saved):
+            if t.shape != (B, T, HV, BT) or t.dtype != wdt or not t.is_contiguous():
                 raise ValueError(f"saved {name}: expected a contiguous {wdt} tensor of shape {(B, T, HV, BT)}, "
-                                 f"got {x.dtype} {tuple(x.shape)}")
+                                 f"got {t.dtype} {tuple(t.shape)}")
     Aqk, Tm = saved if saved is not None else (torch.empty(B, T, HV, BT, dtype=wdt, device=dev) for _ in range(2))
     out = IntraOut(
         gam=torch.empty(B, T, HV, K, dtype=f32, device=dev),
         beta=torch.empty(B, T, HV, dtype=f32, device=dev),
         Aqk=Aqk,
         Tm=Tm,
-        W=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
-        U=torch.empty(B, T, HV, V, dtype=wdt, device=dev),
-        kd=None if kd_t else torch.empty(B, T, HV, K, dtype=f32, device=dev),
+        kd=(torch.empty(idx.NT_total, HV, K, BT, dtype=wdt, device=dev) if kd_t
+            else torch.empty(B, T, HV, K, dtype=f32, device=dev)),
+        kd_t=kd_t,
         qg=torch.empty(B, T, HV, K, dtype=wdt, device=dev),
-        kdt=torch.empty(layout.NT_total, HV, K, BT, dtype=wdt, device=dev) if kd_t else None,
-        rq=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
-        rk=torch.empty(B, T, H, dtype=f32, device=dev) if use_qk_l2norm else None,
+        rq=torch.empty(B, T, H, dtype=f32, device=dev) if opts.use_qk_l2norm else None,
+        rk=torch.empty(B, T, H, dtype=f32, device=dev) if opts.use_qk_l2norm else None,
     )
     # transient: the scratch of the inverse, and W's right operand beta k exp2(gam)
-    scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
-    grid = (layout.NT_total, HV)
-    size = tune_size(B * T, HV)
-    torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[grid](
-        q, k, g, beta, absent(A_log, q), absent(dt_bias, q),
+    scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
+    use_gate = opts.use_gate
+    A_log = x.A_log if use_gate else None
+    dt_bias = x.dt_bias if use_gate else None
+    lower_bound = opts.lower_bound if use_gate else None
+    torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[(idx.NT_total, HV)](
+        q, k, x.g, x.beta, absent(A_log, q), absent(dt_bias, q),
         out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
-        out.kdt if kd_t else out.kd, out.qg, kbg,
-        absent(cu_seqlens, q), absent(layout.chunk_indices, q),
-        float(scale), 0.0 if lower_bound is None else float(lower_bound), T, layout.N,
-        H, HV, size, K=K, BT=BT, BC=BC,
+        out.kd, out.qg, kbg,
+        absent(idx.cu_seqlens, q), absent(idx.chunk_indices, q),
+        float(opts.scale), 0.0 if lower_bound is None else float(lower_bound), T, idx.N,
+        H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
         USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
-        USE_BETA_SIGMOID=use_beta_sigmoid, ALLOW_NEG_EIGVAL=allow_neg_eigval,
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype),
+        HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=opts.use_qk_l2norm,
+        USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
+        IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
         INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t, SAVED_A=saved is not None,
     )
-    torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[grid](
-        v, out.beta, out.Tm, kbg, out.W, out.U,
-        absent(cu_seqlens, q), absent(layout.chunk_indices, q), T, layout.N, HV, size,
-        K=K, V=V, BT=BT, BV=min(64, triton.next_power_of_2(V)),
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(v.dtype), LOWP_DOT=kd_t and lowp_dot(v.dtype),
-    )
-    return out
+    return out, kbg

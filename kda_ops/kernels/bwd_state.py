@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, lowp_dot, tune_size
+from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, lowp_dot, seq_bounds, state_strides,
+                     tune_size)
 
 
 @triton.autotune(
@@ -37,8 +38,9 @@ from .common import BT, absent, autotune_configs, chunk_layout, dot_precision, l
 )
 @triton.jit
 def chunk_kda_bwd_kernel_state(
-    qg, kd, W, gam, Aqk, do, dht,            # [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K],
-                                             #   [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V], [N,HV,K,V]
+    qg, kd, W, gam, Aqk, do,                 # [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K],
+                                             #   [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V]
+    dht, s_dhn, s_dhh, s_dhk, s_dhv,         # [N,HV,K,V], any strides (given in elements)
     dh, dvn, dh0,                            # out: [NT_total,HV,K,V], [B,T,HV,V], [N,HV,K,V] fp32
     cu_seqlens, chunk_offsets, T, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
@@ -50,8 +52,7 @@ def chunk_kda_bwd_kernel_state(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        bos, eos = seq_bounds(cu_seqlens, i_n, T)
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         bos = (i_n * T).to(tl.int64)
@@ -77,7 +78,8 @@ def chunk_kda_bwd_kernel_state(
     # [BK, BV] fp32: gradient of the state leaving the current chunk
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0.0)
+        p_dht = dht + i_n.to(tl.int64) * s_dhn + i_hv.to(tl.int64) * s_dhh
+        b_dh += tl.load(p_dht + o_k[:, None] * s_dhk + o_v[None, :] * s_dhv, mask=m_kv, other=0.0)
     for i_c in range(NT - 1, -1, -1):
         t0 = bos + i_c * BT
         m_t = (t0 + o_t) < eos
@@ -125,41 +127,39 @@ def chunk_kda_bwd_kernel_state(
 
 
 def chunk_kda_bwd_state(
-    qg: torch.Tensor, kd: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
-    do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, cu_seqlens: Optional[torch.Tensor],
-    kd_t: bool = False,
+    qg: torch.Tensor, kd: torch.Tensor, kd_t: bool, W: torch.Tensor, gam: torch.Tensor, Aqk: torch.Tensor,
+    do: torch.Tensor, dht: Optional[torch.Tensor], need_dh0: bool, idx: ChunkIndex,
 ):
     """Reverse state pass.
 
-    qg, kd, W [B, T, HV, K] (forward intra stage, any float dtype; kd_t: kd is IntraOut.kdt, kd^T per chunk
-    [NT_total, HV, K, 64]); gam [B, T, HV, K] fp32 (log2 units);
-    Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] or None.
+    qg, W [B, T, HV, K] and kd (the forward intra stage's, any float dtype; kd_t: kd is kd^T per chunk
+    [NT_total, HV, K, 64], else [B, T, HV, K]); gam [B, T, HV, K] fp32 (log2 units);
+    Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] (any strides) or None.
     Returns (dh [NT_total, HV, K, V]: gradient of the state leaving each chunk, laid out like the forward's
     per-chunk states; dvn [B, T, HV, V] (both in do.dtype for 16-bit inputs, else fp32);
     dh0 [N, HV, K, V] fp32 or None).
 
-    >>> dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, intra.W, intra.gam, intra.Aqk, do, None,
-    ...                                    True, None)
+    >>> dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, intra.kd_t, W, intra.gam, intra.Aqk, do, None,
+    ...                                    True, idx)
     """
     B, T, HV, K = W.shape
     V = do.shape[-1]
-    layout = chunk_layout(B, T, cu_seqlens)
     # with 16-bit inputs stage 2 feeds dh and dvn to bf16/fp16 dots: storing them in that dtype loses nothing
     # there and halves their memory (the fp32 accumulator stays in registers)
     dt = do.dtype if lowp_dot(do.dtype) else torch.float32
-    dh = torch.empty(layout.NT_total, HV, K, V, dtype=dt, device=do.device)
+    dh = torch.empty(idx.NT_total, HV, K, V, dtype=dt, device=do.device)
     dvn = torch.empty(B, T, HV, V, dtype=dt, device=do.device)
-    dh0 = torch.empty(layout.N, HV, K, V, dtype=torch.float32, device=do.device) if need_dh0 else None
-    pick = lambda x: absent(x, gam)  # noqa: E731
+    dh0 = torch.empty(idx.N, HV, K, V, dtype=torch.float32, device=do.device) if need_dh0 else None
+    pick = lambda t: absent(t, gam)  # noqa: E731
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), layout.N * HV)
+        return (triton.cdiv(V, meta["BV"]), idx.N * HV)
 
     torch.library.wrap_triton(chunk_kda_bwd_kernel_state)[grid](
-        qg, kd, W, gam, Aqk, do, pick(dht), dh, dvn, pick(dh0),
-        pick(cu_seqlens), pick(layout.chunk_offsets), T, HV, tune_size(B * T, HV),
+        qg, kd, W, gam, Aqk, do, pick(dht), *state_strides(dht), dh, dvn, pick(dh0),
+        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_size(B * T, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None, KD_T=kd_t,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=idx.is_varlen, KD_T=kd_t,
         PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),
     )
     return dh, dvn, dh0

@@ -1,0 +1,100 @@
+"""Forward stage: W and U of each chunk from the intra stage's Tm (fwd_intra.py).
+
+    W = Tm (beta k exp2(gam))        [BT, K]
+    U = Tm diag(beta) v              [BT, V]
+
+A kernel of its own: it needs far fewer registers than the Aqk / inverse kernel, so more programs share an SM.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, lowp_dot, tune_size
+
+
+@triton.autotune(
+    configs=autotune_configs([
+        triton.Config({"BK": 32}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BK": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BK": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BK": 32}, num_warps=8, num_stages=1),
+        triton.Config({"BK": 32}, num_warps=8, num_stages=2),
+    ]),
+    key=["K", "V", "PREC", "TUNE_SIZE"],
+)
+@triton.jit
+def chunk_kda_fwd_kernel_wu(
+    v, beta_act, Tm, kbg,                    # [B,T,HV,V]; fp32 [B,T,HV]; [B,T,HV,BT], [B,T,HV,K]
+    W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (Tm, kbg, W, U bf16 in a bf16 forward,
+                                             #   else fp32)
+    cu_seqlens, chunk_indices, T, N, HV, TUNE_SIZE,
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+):
+    """W = Tm kbg and U = Tm diag(beta) v of one (chunk, value head), from chunk_kda_fwd_kernel_intra's Tm and
+    kbg: grid (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer
+    registers than the Aqk / inverse kernel, so more programs share an SM. In a bf16 forward both are bf16
+    dots (benchmarks/precision_bf16.py, row 'Tm': o 2.38e-3 -> 2.90e-3)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
+    t0 = bos + i_c * BT
+    if t0 >= eos:
+        return
+    Tc = tl.minimum(eos - t0, BT)
+    if LOWP_DOT:
+        DOT_DT = W.dtype.element_ty
+    else:
+        DOT_DT = tl.float32
+    o_t = tl.arange(0, BT)
+    m_t = o_t < Tc
+    sg = HV * K
+    sv = HV * V
+    sa = HV * BT
+    v += t0 * sv + i_hv * V
+    kbg += t0 * sg + i_hv * K
+    W += t0 * sg + i_hv * K
+    U += t0 * sv + i_hv * V
+    Tm += t0 * sa + i_hv * BT
+    b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
+    # [BT, BT]
+    b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
+    # W over K-blocks and U over V-blocks
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_tk = o_t[:, None] * sg + o_k[None, :]
+        # [BT, BT] @ [BT, BK] -> [BT, BK]
+        b_w = tl.dot(b_tm, tl.load(kbg + p_tk, mask=m_tk, other=0.0).to(DOT_DT), input_precision=PREC)
+        tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < V)
+        # [BT, BV]
+        b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        # [BT, BT] @ [BT, BV] -> [BT, BV]
+        b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
+        tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
+
+
+def chunk_kda_fwd_wu(v: torch.Tensor, beta: torch.Tensor, Tm: torch.Tensor, kbg: torch.Tensor,
+                     idx: ChunkIndex) -> Tuple[torch.Tensor, torch.Tensor]:
+    """W [B,T,HV,K] and U [B,T,HV,V] in kbg's dtype (bf16 dots when that is bf16) from the intra stage's
+    activated beta [B,T,HV] fp32, Tm [B,T,HV,64] and kbg [B,T,HV,K]; v [B,T,HV,V] the op's input."""
+    B, T, HV, V = v.shape
+    K = kbg.shape[-1]
+    W = torch.empty(B, T, HV, K, dtype=kbg.dtype, device=v.device)
+    U = torch.empty(B, T, HV, V, dtype=kbg.dtype, device=v.device)
+    torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[(idx.NT_total, HV)](
+        v, beta, Tm, kbg, W, U,
+        absent(idx.cu_seqlens, v), absent(idx.chunk_indices, v), T, idx.N, HV, tune_size(B * T, HV),
+        K=K, V=V, BT=Tm.shape[-1], BV=min(64, triton.next_power_of_2(V)),
+        IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
+        LOWP_DOT=kbg.dtype == torch.bfloat16 and lowp_dot(v.dtype),
+    )
+    return W, U
