@@ -230,7 +230,7 @@ def _chunk_kda_fwd(
     if q.device.type == "cuda":
         x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
         opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = kernels.ChunkIndex.of(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
+        idx = kernels.ChunkIndex.from_tensors(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
         o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
         return o, _or_empty(ht, q, torch.float32), Aqk, Tm
     o, ht = torch.ops.kda_ops._chunk_kda_fwd_torch(
@@ -253,7 +253,7 @@ def _chunk_kda_bwd(
     if q.device.type == "cuda":
         x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
         opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = kernels.ChunkIndex.of(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
+        idx = kernels.ChunkIndex.from_tensors(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
         saved = None if Aqk is None or Tm is None else (Aqk.contiguous(), Tm.contiguous())
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
             do.contiguous(), dht, x, opts, idx, saved)
