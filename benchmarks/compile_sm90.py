@@ -1,6 +1,7 @@
 """Offline sm_90 (H100 / H200) compile of the chunk kernels, no GPU needed: registers, spills, shared memory.
 
-    PYTHONPATH=<site-packages with triton 3.6> python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd]
+    python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd]
+    PYTHONPATH=<site-packages with another triton> python benchmarks/compile_sm90.py ...
 
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
 config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.)
@@ -8,8 +9,8 @@ config; intra_bwd: the backward's row-block kernel at every config and its gate 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
 shows spills the GPU build does not have). Registers and spills come from the cuobjdump in the triton wheel.
-This is how the register counts in benchmarks/NOTES.md and the shared-memory notes in kernels/state.py
-were read.
+This is how the register counts in benchmarks/NOTES.md and the shared-memory notes in kernels/fwd_state.py
+are read.
 """
 import os
 import re
@@ -57,8 +58,8 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag):
 
 def mn_a16(ttgir):
     """How many wgmma dots take a 16-bit FIRST operand transposed in shared memory (memdesc_trans): the pattern
-    behind the faults with triton 3.6 on the H200 (a bf16 kd^T tile in the state pass, 'Invalid __shared__ read'
-    under compute-sanitizer; kernels/state.py, state_bwd.py). Kernels on main show 0. Transposed SECOND operands
+    behind faults with triton 3.6 on the H200 (a bf16 kd^T tile in the state pass, 'Invalid __shared__ read'
+    under compute-sanitizer; kernels/fwd_state.py, bwd_state.py). Our kernels show 0. Transposed SECOND operands
     (the inter kernel has five) are the usual wgmma B layout and run fine."""
     trans16 = set()
     n = 0
@@ -97,21 +98,21 @@ def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
 
 def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
     """wdt: dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk (KD_T); fp32: the recompute)."""
-    names = ['W','U','kd','qg','Aqk','gam','h0','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
-    types = [f'*{wdt}']*5 + ['*fp32','*fp32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32','i32']
+    names = ['W','U','kd','qg','Aqk','gam','h0','s_h0n','s_h0h','s_h0k','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
+    types = [f'*{wdt}']*5 + ['*fp32','*fp32', 'i32', 'i32', 'i32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32','i32']
     c = dict(K=K, V=V, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_H0=True, STORE_O=True, STORE_H=False,
              STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32',
-             KD_T=wdt == 'bf16')
+             KD_T=wdt == 'bf16', s_h0v=1)   # a contiguous h0: the JIT specialises its unit stride
     c.update(flags)
     comp(chunk_kda_fwd_kernel_state, names, types, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
 
 
 def state_bwd(wdt='fp32', K=128, BV=32, w=8, s=1):
-    """The reverse state pass; wdt: dtype of qg, kd, W, Aqk (fp32: the backward's recompute on main)."""
-    names = ['qg','kd','W','gam','Aqk','do','dht','dh','dvn','dh0','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
-    types = [f'*{wdt}']*3 + ['*fp32', f'*{wdt}', '*bf16', '*fp32', '*bf16', '*bf16', '*fp32', '*i32', '*i32', 'i32', 'i32', 'i32']
+    """The reverse state pass; wdt: dtype of qg, kd, W, Aqk (bf16: the recompute of a bf16 forward; fp32 otherwise)."""
+    names = ['qg','kd','W','gam','Aqk','do','dht','s_dhn','s_dhh','s_dhk','dh','dvn','dh0','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
+    types = [f'*{wdt}']*3 + ['*fp32', f'*{wdt}', '*bf16', '*fp32', 'i32', 'i32', 'i32', '*bf16', '*bf16', '*fp32', '*i32', '*i32', 'i32', 'i32', 'i32']
     c = dict(K=K, V=K, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_DHT=True, STORE_DH0=True,
-             IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
+             IS_VARLEN=False, PREC='tf32', LOWP_DOT=True, s_dhv=1)
     if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names:   # branches whose state_bwd reads kd^T blocks
         c['KD_T'] = wdt == 'bf16'
     comp(chunk_kda_bwd_kernel_state, names, types, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
@@ -184,7 +185,7 @@ if __name__ == '__main__':
             for (BV, w, s) in configs(chunk_kda_fwd_kernel_state):
                 state(K=K, V=K, BV=BV, w=w, s=s)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=1)
-        # the same pass on the forward's bf16 storage (branch next/bwd-lowp-recompute's backward)
+        # the same pass on the forward's bf16 storage (the backward's recompute)
         state(wdt='bf16', STORE_O=False, STORE_H=True, STORE_VN=True, s=1)
         state(wdt='bf16', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)

@@ -1,4 +1,4 @@
-"""Backward stage: dg from dGam (the reverse in-chunk cumsum) and the gate chain rule.
+"""Backward stage 4: dg from dGam (the reverse in-chunk cumsum) and the gate chain rule.
 
 One program per (chunk, value head), after bwd_intra.py (each chunk's dGam rows come from four of its programs):
 dg = reverse cumsum of dGam over the chunk's rows; with the gate in the op, the chain rule through

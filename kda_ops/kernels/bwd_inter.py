@@ -1,7 +1,7 @@
 """Backward stage 2: the per-chunk terms that go through the state and through the inverse Tm.
 
 One program per (K-block or V side, chunk, value head). With S the state entering the chunk, dS the
-gradient of the state leaving it (stage 1), dVn from stage 1, and U = Tm (beta v), W = Tm (beta k exp(Gam)):
+gradient of the state leaving it (bwd_state.py), dVn from there, and U = Tm (beta v), W = Tm (beta k exp(Gam)):
 
     dAqk = dO Vn^T (causal)                      dXu = Tm^T dVn        dv = beta dXu
     dW   = -dVn S^T                              dXw = Tm^T dW         dkg = beta dXw
@@ -13,7 +13,7 @@ gradient of the state leaving it (stage 1), dVn from stage 1, and U = Tm (beta v
 dM is the gradient through the inverse, -(dXu U^T + dXw W^T) = -Tm^T dVn (U - W S)^T, and U - W S = Vn: one
 [BT, V] @ [V, BT] product on the V side, with neither U nor W read and no sum across the K-block programs.
 
-The pairwise (intra-chunk) terms through Aqk and Akk are added by stage 3 (intra_bwd.py), which also
+The pairwise (intra-chunk) terms through Aqk and Akk are added by bwd_intra.py; bwd_gate.py
 does the reverse in-chunk cumsum.
 """
 from __future__ import annotations
@@ -34,14 +34,14 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, chunk_bounds, dot
         triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=2),
         triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=1),
         triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=3),
-        # 1.856 ms at (4, 4096, 32, 128), against 1.894 for 2 stages (session f)
+        # slightly faster than 2 stages at (B, T, HV, K) = (4, 4096, 32, 128)
         triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=3),
         # BK 32: one more K-side program per chunk, but no spills. At K = 128 (bf16, sm_90, triton 3.6) the
         # 4-warp configs above spill 400-670 bytes per thread at BK 64 and none at BK 32 (250-255 registers)
         triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=3),
         triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
         # (BK 32, BV 64, 4 warps, 1 stage) faulted (CUDA illegal memory access) at K = V = 64 with this kernel,
-        # alone of its configs, on the H200 (triton 3.6; results/gpu_session_2026-11-30h_H200.md, call 3)
+        # alone of its configs, on the H200 (triton 3.6): not listed
         triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
     ]),
     key=["K", "V", "PREC", "TUNE_SIZE"],
@@ -194,10 +194,10 @@ def chunk_kda_bwd_inter(
     h: torch.Tensor, vn: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, dvn: torch.Tensor,
     idx: ChunkIndex, scale: float,
 ):
-    """Stage 2 launcher.
+    """The inter kernel's launcher.
 
     q, k [B, T, H, K] raw, rq, rk [B, T, H] fp32 l2norm row factors (or None: no l2norm);
-    v, vn, do [B, T, HV, V]; dvn [B, T, HV, V] (stage 1); gam [B, T, HV, K] fp32 (log2);
+    v, vn, do [B, T, HV, V]; dvn [B, T, HV, V] (bwd_state.py); gam [B, T, HV, K] fp32 (log2);
     beta [B, T, HV] activated; Tm [B, T, HV, 64]; h, dh [NT_total, HV, K, V].
     Returns fp32 (dq, dk, dgam) [B, T, HV, K] (the terms through the state and Tm), dv [B, T, HV, V]
     (final, v.dtype), fp32 dAqk (= scale dO Vn^T, causal) and dM (strictly lower) [B, T, HV, 64],

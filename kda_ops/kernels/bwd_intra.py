@@ -1,7 +1,7 @@
 """Backward stage 3: the pairwise in-chunk terms and the beta chain rule (the cumsum and gate follow in bwd_gate.py).
 
 Aqk[i, j] = scale sum_d q_i k_j exp(Gam_i - Gam_j) (j <= i) and Akk[i, j] = sum_d k_i k_j exp(Gam_i - Gam_j)
-(j < i). Given dAqk (= P, with the scale) and dM (stage 2), dAkk = beta_i dM:
+(j < i). Given dAqk (= P, with the scale) and dM (bwd_inter.py), dAkk = beta_i dM:
 
     dq_i  += sum_j P_ij k_j e_ij             dk_j += sum_i P_ij q_i e_ij + sum_i dAkk_ij k_i e_ij   (= dk_a)
     X_i    = sum_j dM_ij k_j e_ij            dk_i += beta_i X_i           dbeta_i += <k_i, X_i>
@@ -26,8 +26,8 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
      around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is then
      added exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step s pairs each row of the
      block with the block's s-th row).
-   It completes dq and dk of its rows in place, writes its rows' dGam (stage 2's dgam plus the terms above)
-   over the dgam buffer, and writes its rows' dbeta (<k_i, X_i> summed over K-blocks, plus stage 2's, through
+   It completes dq and dk of its rows in place, writes its rows' dGam (bwd_inter's dgam plus the terms above)
+   over the dgam buffer, and writes its rows' dbeta (<k_i, X_i> summed over K-blocks, plus bwd_inter's, through
    the beta chain rule).
 bwd_gate.py then turns each chunk's dGam rows (written by four programs of this kernel) into dg.
 """

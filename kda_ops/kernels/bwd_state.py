@@ -1,4 +1,4 @@
-"""Backward stage 1: the reverse state pass over chunks.
+"""Backward stage 1 (after the recompute): the reverse state pass over chunks.
 
 With ``dS`` the gradient of the state *leaving* chunk c (``dht`` for the last chunk), per chunk in reverse
 (qg = scale q exp2(gam), kd = k exp2(gam_last - gam), W, Aqk from the forward's intra stage):
@@ -8,7 +8,7 @@ With ``dS`` the gradient of the state *leaving* chunk c (``dht`` for the last ch
 
 so after the first chunk ``dS`` is d initial_state. One program per (V-block, sequence, value head) holds
 the whole ``[K, BV]`` fp32 accumulator (K padded to a power of two, <= 256) and walks its sequence's
-chunks backwards. It stores dS leaving every chunk (read by stage 2) and dVn.
+chunks backwards. It stores dS leaving every chunk (read by bwd_inter.py) and dVn.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, lo
         triton.Config({"BV": 16}, num_warps=8, num_stages=1),
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
         triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-        # at (4, 4096, 32, 128): 0.995 ms, against 1.490 for (BV 32, 8 warps, 1 stage); (1, 8192, 32, 128) keeps
-        # BV 32 (0.750 against 0.967). Session f; (BV 32 / 64, 4 warps, 1 stage) lost at both.
+        # the fastest at (B, T, HV, K) = (4, 4096, 32, 128) by a third; (1, 8192, 32, 128) keeps BV 32
+        # ((BV 32 / 64, 4 warps, 1 stage) were slower at both)
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     ]),
     key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
@@ -112,8 +112,8 @@ def chunk_kda_bwd_kernel_state(
 
         # Every transposed operand goes through fp32 registers: a 16-bit tile loaded and transposed straight
         # into a dot becomes an MN-major shared-memory wgmma operand (memdesc_trans in the TTGIR), the pattern
-        # that faulted with triton 3.6 on the H200 (state.py; 'illegal memory access' of this kernel on bf16
-        # storage, session g). Through fp32 it is a register operand, as with fp32 storage.
+        # that faulted with triton 3.6 on the H200 (fwd_state.py; 'illegal memory access' of this kernel on
+        # bf16 storage). Through fp32 it is a register operand, as with fp32 storage.
         # [BT, BT]^T @ [BT, BV] + [BT, BK] @ [BK, BV] -> [BT, BV]
         b_dvn = tl.dot(tl.trans(b_a.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
         b_dvn += tl.dot(b_kd, b_dhd, input_precision=PREC)
@@ -134,7 +134,8 @@ def chunk_kda_bwd_state(
 
     qg, W [B, T, HV, K] and kd (the forward intra stage's, any float dtype; kd_t: kd is kd^T per chunk
     [NT_total, HV, K, 64], else [B, T, HV, K]); gam [B, T, HV, K] fp32 (log2 units);
-    Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V]; dht [N, HV, K, V] (any strides) or None.
+    Aqk [B, T, HV, 64] (scale included, zero above the diagonal); do [B, T, HV, V];
+    dht [N, HV, K, V] (any strides) or None.
     Returns (dh [NT_total, HV, K, V]: gradient of the state leaving each chunk, laid out like the forward's
     per-chunk states; dvn [B, T, HV, V] (both in do.dtype for 16-bit inputs, else fp32);
     dh0 [N, HV, K, V] fp32 or None).
@@ -144,7 +145,7 @@ def chunk_kda_bwd_state(
     """
     B, T, HV, K = W.shape
     V = do.shape[-1]
-    # with 16-bit inputs stage 2 feeds dh and dvn to bf16/fp16 dots: storing them in that dtype loses nothing
+    # with 16-bit inputs bwd_inter.py feeds dh and dvn to bf16/fp16 dots: storing them in that dtype loses nothing
     # there and halves their memory (the fp32 accumulator stays in registers)
     dt = do.dtype if lowp_dot(do.dtype) else torch.float32
     dh = torch.empty(idx.NT_total, HV, K, V, dtype=dt, device=do.device)

@@ -42,11 +42,12 @@ def chunk_kda_fwd_triton(
 
     x: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (raw gate with opts.use_gate); beta [B, T, HV] (logits
     with opts.use_beta_sigmoid), all contiguous; A_log [HV] fp32 or None; dt_bias [HV * K] fp32 or None;
-    initial_state [N, HV, K, V] fp32 or None; x.cu_seqlens is not read: idx (kernels.chunk_index of the call)
-    carries the sanitised copy.
+    initial_state [N, HV, K, V] fp32 (any strides: read in place) or None; x.cu_seqlens is not read: idx
+    (kernels.chunk_index of the call) carries the sanitised copy.
     Returns (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None, Aqk, Tm): the last two are
     the intra-chunk stage's [B, T, HV, 64] (bf16 for bf16 v, else fp32), which the backward takes instead of
-    recomputing them (``chunk_kda_bwd_triton(..., saved=(Aqk, Tm))``). No host sync.
+    recomputing them (``chunk_kda_bwd_triton(..., saved=(Aqk, Tm))``). Tokens no sequence covers (cu_seqlens not
+    starting at 0 or not ending at T) get o = 0. No host sync.
 
     >>> idx = chunk_index(B, T, cu_seqlens)
     >>> o, ht, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, output_final_state=True)
@@ -63,8 +64,8 @@ def chunk_kda_bwd_triton(
 ):
     """Chunked KDA backward on the GPU (same semantics as kda_ops.reference's chunked backward).
 
-    do [B, T, HV, V] contiguous; dht [N, HV, K, V] fp32 or None; x, opts, idx: the forward's; saved: the
-    (Aqk, Tm) that chunk_kda_fwd_triton returned for these inputs, or None (recomputed).
+    do [B, T, HV, V] contiguous; dht [N, HV, K, V] fp32 (any strides) or None; x, opts, idx: the forward's;
+    saved: the (Aqk, Tm) that chunk_kda_fwd_triton returned for these inputs, or None (recomputed).
     Returns (dq, dk, dv, dg, dbeta in the dtypes of q, k, v, g, beta; dA_log [HV] fp32 or None;
     ddt_bias [HV * K] fp32 or None; dh0 [N, HV, K, V] fp32 or None). No host sync.
 
@@ -78,7 +79,7 @@ def chunk_kda_bwd_triton(
     del saved
     st = chunk_kda_fwd_state(W, U, intra.kd, intra.kd_t, intra.qg, intra.Aqk, intra.gam, x.initial_state, idx,
                              False, v.dtype, store_o=False, store_h=True, store_vn=True)
-    del U       # stage 2 takes Vn = U - W S
+    del U       # bwd_inter takes Vn = U - W S
     # 1. reverse state pass
     dh, dvn, dh0 = chunk_kda_bwd_state(intra.qg, intra.kd, intra.kd_t, W, intra.gam, intra.Aqk, do, dht,
                                        x.initial_state is not None, idx)

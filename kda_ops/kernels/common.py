@@ -196,6 +196,8 @@ L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EP
 # Largest |gam_i - gam_m| (log2) for which the factored dots run on the diagonal blocks too: factors stay in
 # [2^-60, 2^60], so the masked entries above the diagonal stay finite (< 2^120 |q| |k|) and nothing flushes.
 SPAN = tl.constexpr(60.0)
+# Floor of one step's log decay g in the chunked kernels (natural log units): see load_gam_block
+G_MIN = tl.constexpr(-128.0)
 
 
 @triton.jit
@@ -251,6 +253,10 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
         else:
             b_g = -b_a * softplus(b_g)
         b_g = tl.where(m_t[:, None] & m_k[None, :], b_g, 0.0)
+    # a step below G_MIN decays to exactly 0 in fp32 either way (exp(-104) is below the smallest fp32); raising
+    # it to G_MIN keeps the cumsum finite (g = -inf, a full reset, would make gam_i - gam_j = -inf + inf = NaN)
+    # and well conditioned. Selection, not max: a NaN stays NaN
+    b_g = tl.where(b_g < G_MIN, G_MIN, b_g)
     return tl.cumsum(b_g, axis=0) * 1.4426950408889634
 
 

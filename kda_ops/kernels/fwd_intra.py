@@ -1,4 +1,4 @@
-"""Stage 2 of the forward: everything inside one chunk that does not depend on the state.
+"""Forward stage 1: everything inside one chunk that does not depend on the state.
 
 One program per (chunk, value head): the gate and beta activation (common.py's helpers), gam, beta, Aqk, L
 and Tm, and kd, qg and kbg from the q, k and gam tiles it loads anyway; W and U follow from Tm and kbg in
@@ -31,12 +31,12 @@ of Tm's shape. All of this is fp32 (the inverse merges in tf32); the W, U dots a
 (below), tf32 otherwise.
 Storage, two modes (``lowp``, see IntraOut):
 * forward and the backward's recompute (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam)
-  in bf16, so that W and U are bf16 dots (o 2.38e-3 -> 2.90e-3 relative RMS in benchmarks/precision_bf16.py);
+  in bf16, so that W and U are bf16 dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3);
   W, qg, U, Aqk and kd in bf16, so that every dot of the state pass is a bf16 dot; kd goes out transposed, one
   [K, BT] block per (chunk, value head) (``kd_t``), so the state pass loads kd^T as a plain row-major tile.
   Rounding U, Aqk, kd, W, qg and the dot operands S and Vn to bf16 together costs ~2.4e-3 relative RMS on the
   output and on the final state vs fp64 (U, Aqk or Vn alone ~1.6e-3, since U - W S cancels; kd alone ~1.7e-3
-  on the state; W, qg and S together ~3e-4: benchmarks/precision_bf16.py).
+  on the state; W, qg and S together ~3e-4).
 * otherwise (fp16 and fp32 inputs, or lowp off): everything fp32 and token-major, kd as
   [B, T, HV, K] (fp16's range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors

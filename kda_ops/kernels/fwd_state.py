@@ -1,20 +1,19 @@
-"""Stage 3 of the forward: the sequential pass over chunks, fused with the chunk output.
+"""Forward stage 3: the sequential pass over chunks, fused with the chunk output.
 
 One program per (V-block, sequence, value head) holds the state S [K, BV] (K padded to a power of two)
-as ONE fp32 accumulator and walks the sequence's chunks in order. Per chunk (all from intra.py):
+as ONE fp32 accumulator and walks the sequence's chunks in order. Per chunk (all from fwd_intra.py / fwd_wu.py):
 
     Vn = U - W S                                     # [BT, BV]  new values
     O  = qg S + Aqk Vn                               # [BT, BV]  output (scale folded into qg and Aqk)
     S  = diag(exp2(gam_last)) S + kd^T Vn            # state leaving the chunk
 
-Operands, two modes (see intra.IntraOut):
-* the forward with bf16 inputs (intra built with lowp): W, qg, U, Aqk arrive in bf16 and kd as kd^T blocks
+Operands, two modes (see fwd_intra.IntraOut):
+* the forward with bf16 inputs (the intra stage built with lowp): W, qg, U, Aqk arrive in bf16 and kd as kd^T blocks
   [K, BT] per chunk in bf16 (KD_T), loaded as a plain row-major [BK, BT] tile. All four dots are bf16 dots:
   W S and qg S take S rounded to bf16, Aqk Vn and kd^T Vn take Vn rounded to bf16; S and Vn accumulate in
   fp32. Rounding all of these costs ~2.4e-3 relative RMS on o and on the final state vs fp64
-  (benchmarks/precision_bf16.py; the GPU tests' bound for bf16 is 5e-3). (kd^T used to be loaded through a
-  transposed pointer pattern; a bf16 tile loaded that way faulted in shared memory at K = 100 and 128 with
-  triton 3.6 on the H200, hence the transposed storage.)
+  (the GPU tests' bound for bf16 is 5e-3). kd^T is stored transposed because a bf16 tile loaded through a
+  transposed pointer pattern faulted in shared memory at K = 100 and 128 with triton 3.6 on the H200.
 * otherwise (fp16 / fp32 inputs; the backward's recompute of a bf16 op takes the bf16 mode): every operand
   fp32 and token-major, kd^T read through a transposed pointer pattern, every dot in tf32 (IEEE fp32 for fp32
   inputs).
@@ -37,7 +36,8 @@ from .common import (BT, INTERPRET, ChunkIndex, absent, autotune_configs, dot_pr
     configs=autotune_configs([
         # one pipeline stage first (it fits at every K); two stages fit up to K = 128 (bf16 forward at BV = 32:
         # 128 KB; fp32 operands: 160 KB) and at K = 256 only with BV = 16 in the bf16 forward (220 KB; sm_90
-        # allows 227 KB); configs that do not fit are skipped (benchmarks/NOTES.md: shared memory per config).
+        # allows 227 KB); configs that do not fit are skipped (benchmarks/compile_sm90.py prints the shared
+        # memory per config).
         # (BV = 16 with 8 warps gave wrong results with triton 3.6 on the H200 (tests/test_gpu_configs.py) and
         # faulted at large shapes: not listed.)
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
@@ -172,7 +172,8 @@ def chunk_kda_fwd_state(
     dtype: torch.dtype, store_o: bool = True, store_h: bool = False, store_vn: bool = False,
 ) -> StateOut:
     """State pass (+ output) from the intra stage's outputs (fwd_intra.IntraOut: kd in the layout kd_t says, qg,
-    Aqk, gam) and fwd_wu's W, U. initial_state [N, HV, K, V] fp32 (any strides) or None; dtype: the dtype of v (o, h, vn).
+    Aqk, gam) and fwd_wu's W, U. initial_state [N, HV, K, V] fp32 (any strides) or None; dtype: the dtype of v
+    (o, h, vn).
     """
     B, T, HV, K = W.shape
     V = U.shape[-1]
