@@ -173,6 +173,8 @@ def op_args(op, inputs, kw, **values) -> tuple:
             args.append(named[arg.name])
         elif arg.has_default_value():
             args.append(arg.default_value)
+        elif isinstance(arg.type, torch.OptionalType):      # e.g. chunk_indices: the op builds it when None
+            args.append(None)
         else:
             raise KeyError(f"{op}: no value for argument {arg.name!r}")
     return tuple(args)

@@ -56,10 +56,12 @@ def _args(name, case, device, requires_grad, flag):
     do = torch.randn(B, T, HV, V, generator=g).to(device=device, dtype=v.dtype)
     dht = torch.randn(N, HV, q.shape[-1], V, generator=g).to(device=device, dtype=state_dtype) if flag else None
     saved = {}
-    if "saved_Aqk" in [a.name for a in op._schema.arguments]:
-        fwd = kda_op("_chunk_kda_fwd")
-        out = fwd(*op_args(fwd, inputs, kw, output_final_state=flag))
-        saved = dict(saved_Aqk=out[2], saved_Tm=out[3])
+    arg_names = [a.name for a in op._schema.arguments]
+    for aqk, tm in (("Aqk", "Tm"), ("saved_Aqk", "saved_Tm")):
+        if aqk in arg_names:                              # the forward's saved tensors, as autograd passes them
+            fwd = kda_op("_chunk_kda_fwd")
+            out = fwd(*op_args(fwd, inputs, kw, output_final_state=flag))
+            saved = {aqk: out[2], tm: out[3]}
     return op, op_args(op, inputs, kw, do=do, dht=dht, **saved)
 
 
