@@ -62,6 +62,13 @@ def _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allo
     return KDAOptions(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
 
 
+def _chunk_index(q: Tensor, cu_seqlens, chunk_indices, chunk_offsets):
+    """The call's chunk index: the one passed in (built once by the training path), or a fresh one."""
+    if cu_seqlens is not None and (chunk_indices is None or chunk_offsets is None):
+        return kernels.chunk_index(q.shape[0], q.shape[1], cu_seqlens)
+    return kernels.ChunkIndex.from_tensors(q.shape[0], q.shape[1], cu_seqlens, chunk_indices, chunk_offsets)
+
+
 def _contiguous(x: KDAInputs) -> KDAInputs:
     """What the kernels read as dense memory made dense (a no-op when it already is); states keep their
     strides, the kernels read them through their strides."""
@@ -230,7 +237,7 @@ def _chunk_kda_fwd(
     if q.device.type == "cuda":
         x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
         opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = kernels.ChunkIndex.from_tensors(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
+        idx = _chunk_index(q, x.cu_seqlens, chunk_indices, chunk_offsets)
         o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
         return o, _or_empty(ht, q, torch.float32), Aqk, Tm
     o, ht = torch.ops.kda_ops._chunk_kda_fwd_torch(
@@ -253,7 +260,7 @@ def _chunk_kda_bwd(
     if q.device.type == "cuda":
         x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
         opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = kernels.ChunkIndex.from_tensors(q.shape[0], q.shape[1], x.cu_seqlens, chunk_indices, chunk_offsets)
+        idx = _chunk_index(q, x.cu_seqlens, chunk_indices, chunk_offsets)
         saved = None if Aqk is None or Tm is None else (Aqk.contiguous(), Tm.contiguous())
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
             do.contiguous(), dht, x, opts, idx, saved)

@@ -1,6 +1,7 @@
 """Shared test inputs and error metric: one place that draws KDA inputs for every test file."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,9 +16,18 @@ BF16_TOL = dict(o=5e-3, ht=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dh0=8e-3,
                 dg=2e-2, dbeta=2e-2, dA_log=2e-2, ddt_bias=2e-2)
 
 
+def stable_seed(text: str) -> int:
+    """A seed derived from a string that is the same in every process (hash() is not: PYTHONHASHSEED)."""
+    return zlib.crc32(text.encode()) % 100_003
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are zero)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     den = b.norm()
     return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
 
@@ -55,8 +65,14 @@ class Case:
             s += "-noh0"
         return s + "-" + str(self.dtype).replace("torch.", "")
 
+    @property
+    def seed(self) -> int:
+        """A per-case seed that reproduces in every process: ``case.make(seed=case.seed)``."""
+        return stable_seed(self.id)
+
     def make(self, device="cpu", seed=0):
-        """Returns (inputs, kwargs) for kda_ops.chunk_kda / naive_recurrent_kda."""
+        """Returns (inputs, kwargs) for kda_ops.chunk_kda / naive_recurrent_kda. q, k, v, g and beta are all
+        ``dtype`` (a bf16 case is bf16 throughout, as a bf16 model calls the op)."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
         B, T, H, HV, K, V = self.B, self.T, self.H, self.HV, self.K, self.V
@@ -78,7 +94,7 @@ class Case:
         if self.seqlens:
             assert B == 1 and sum(self.seqlens) == T
             kw["cu_seqlens"] = torch.tensor([0] + list(torch.tensor(self.seqlens).cumsum(0)), dtype=torch.int32)
-        inputs = [x.to(self.dtype) for x in (q, k, v)] + [g, beta]
+        inputs = [x.to(self.dtype) for x in (q, k, v, g, beta)]
         inputs = [x.to(device) for x in inputs]
         for name in ("initial_state", "A_log", "dt_bias"):
             if kw.get(name) is not None:
@@ -112,3 +128,45 @@ def reference_grads(inputs, kw, do, dht):
     """Autograd through the float64 recurrence: returns dict of output and gradient tensors."""
     from kda_ops.reference import naive_recurrent_kda
     return op_grads(naive_recurrent_kda, inputs, kw, do, dht, cast=lambda x: x.double())
+
+
+# ----------------------------------------------------------------------------------------------
+# The registered ops by the names of the op schema (torch.ops.kda_ops.*), and their flat arguments.
+# ----------------------------------------------------------------------------------------------
+PUBLIC_OPS = ("chunk_kda_v1", "recurrent_kda_v1")
+PRIVATE_OPS = ("_chunk_kda_fwd", "_chunk_kda_bwd", "_chunk_kda_fwd_torch", "_chunk_kda_bwd_torch",
+               "_recurrent_kda_torch")
+# TEMPORARY: the names these ops had before the versioned / private names; remove with the rename.
+
+def kda_op(name: str):
+    """The OpOverload ``torch.ops.kda_ops.<name>.default``."""
+    import kda_ops  # noqa: F401  (registers the ops)
+    return getattr(torch.ops.kda_ops, name).default
+
+
+def op_args(op, inputs, kw, **values) -> tuple:
+    """The positional arguments of ``op`` in its schema's order, by argument name, from a Case's
+    (inputs, kwargs) and the extra ``values`` (do, dht, output_final_state, scale, ...). Arguments with a
+    schema default that nothing names take the default."""
+    q, k, v, g, beta = inputs
+    named = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"),
+                 initial_state=kw.get("initial_state"), cu_seqlens=kw.get("cu_seqlens"),
+                 scale=kw.get("scale") if kw.get("scale") is not None else q.shape[-1] ** -0.5,
+                 lower_bound=kw.get("lower_bound"),
+                 use_qk_l2norm=kw.get("use_qk_l2norm_in_kernel", False),
+                 use_gate=kw.get("use_gate_in_kernel", False),
+                 use_beta_sigmoid=kw.get("use_beta_sigmoid_in_kernel", False),
+                 allow_neg_eigval=kw.get("allow_neg_eigval", False),
+                 output_final_state=kw.get("output_final_state", True))
+    named.update(values)
+    args = []
+    for arg in op._schema.arguments:
+        if arg.name in named:
+            args.append(named[arg.name])
+        elif arg.has_default_value():
+            args.append(arg.default_value)
+        elif isinstance(arg.type, torch.OptionalType):      # e.g. chunk_indices: the op builds it when None
+            args.append(None)
+        else:
+            raise KeyError(f"{op}: no value for argument {arg.name!r}")
+    return tuple(args)

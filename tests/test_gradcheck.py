@@ -7,7 +7,7 @@ from kda_case import Case
 
 CASES = [
     Case(B=1, T=9, H=1, HV=2, K=4, V=3),
-    Case(B=1, T=9, H=1, HV=2, K=4, V=3, in_op=True),
+    Case(B=1, T=9, H=1, HV=2, K=4, V=3, in_op=True, extra=dict(scale=0.8)),    # a scale of its own
     Case(B=1, T=9, H=1, HV=1, K=4, V=3, in_op=True, lower_bound=-2.0, allow_neg_eigval=True),
     Case(B=1, T=11, H=1, HV=1, K=3, V=4, seqlens=[4, 7], in_op=True),
 ]
@@ -17,7 +17,8 @@ CASES = [
 def test_gradcheck_chunk_kda(case, monkeypatch):
     # Small chunks make the tiny problem span several chunks and a partial one.
     monkeypatch.setattr(kda_ops.ops, "TORCH_CHUNK_SIZE", 4)
-    inputs, kw = case.make()
+    inputs, kw = case.make(seed=case.seed)
+    kw.update(case.extra)
     names = [n for n in ("initial_state", "A_log", "dt_bias") if kw.get(n) is not None]
     leaves = [x.clone().requires_grad_() for x in inputs] + [kw[n].clone().requires_grad_() for n in names]
 

@@ -1,56 +1,93 @@
-"""torch.library.opcheck on kda_ops::chunk_kda_fwd / chunk_kda_bwd across the feature matrix."""
+"""torch.library.opcheck on every kda_ops op (the public versioned ops and the private training-path and
+CPU-implementation ops), on CPU and, marked gpu, on CUDA: schema, fake (meta) outputs against the real ones
+(on CUDA: the saved Aqk / Tm of the forward too), autograd registration, AOT dispatch."""
 import pytest
 import torch
 from torch.library import opcheck
 
-from kda_case import Case
+from kda_case import Case, gen, kda_op, op_args
 
+f32, bf16 = torch.float32, torch.bfloat16
+# K != V in all; Case.extra is passed as keyword arguments (a scale of its own).
 CASES = [
-    Case(B=2, T=9, H=1, HV=2, K=8, V=4, dtype=torch.float32),
-    Case(B=2, T=70, H=1, HV=1, K=8, V=8, in_op=True, dtype=torch.float32, initial_state=False),
-    Case(B=1, T=9, H=1, HV=2, K=8, V=4, in_op=True, lower_bound=-3.0, allow_neg_eigval=True),
-    Case(B=1, T=12, H=1, HV=1, K=8, V=4, seqlens=[5, 7], in_op=True, dtype=torch.bfloat16),
+    Case(B=2, T=9, H=1, HV=2, K=8, V=4, dtype=f32, extra=dict(scale=0.6)),
+    Case(B=2, T=20, H=1, HV=1, K=8, V=6, in_op=True, dtype=f32, initial_state=False),     # CPU chunks: 16
+    Case(B=1, T=9, H=1, HV=2, K=8, V=4, in_op=True, lower_bound=-3.0, allow_neg_eigval=True),   # float64
+    Case(B=1, T=12, H=1, HV=1, K=8, V=4, seqlens=[5, 0, 7], in_op=True, dtype=bf16, extra=dict(scale=2.0)),
+]
+GPU_CASES = [c for c in CASES if c.dtype != torch.float64] + [     # CUDA chunks: 64
+    Case(B=2, T=70, H=1, HV=1, K=8, V=6, in_op=True, dtype=f32, initial_state=False),
+    Case(B=1, T=140, H=2, HV=4, K=32, V=16, seqlens=[64, 1, 75], in_op=True, lower_bound=-5.0, dtype=bf16),
 ]
 
+# (op, requires_grad, output_final_state or, for a backward, with dht)
+FWD = [("chunk_kda_v1", False, True), ("_chunk_kda_fwd", True, True), ("_chunk_kda_fwd", True, False),
+       ("_chunk_kda_fwd_torch", False, False)]
+BWD = [("_chunk_kda_bwd", False, True), ("_chunk_kda_bwd", False, False), ("_chunk_kda_bwd_torch", False, True)]
+REC = [("recurrent_kda_v1", False, True), ("_recurrent_kda_torch", False, True)]
+ALL = FWD + BWD + REC
 
-def _args(case, requires_grad):
-    inputs, kw = case.make()
-    tensors = dict(A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), initial_state=kw.get("initial_state"))
+
+def _inputs(case, device, requires_grad):
+    inputs, kw = case.make(device, seed=case.seed)
+    kw.update(case.extra)
     if requires_grad:
         inputs = [x.requires_grad_() for x in inputs]
-        tensors = {n: (None if x is None else x.requires_grad_()) for n, x in tensors.items()}
-    flags = (inputs[0].shape[-1] ** -0.5, kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False),
-             kw.get("use_gate_in_kernel", False), kw.get("use_beta_sigmoid_in_kernel", False),
-             kw.get("allow_neg_eigval", False))
-    return inputs, tensors, kw.get("cu_seqlens"), flags
+        for name in ("A_log", "dt_bias", "initial_state"):
+            if kw.get(name) is not None:
+                kw[name].requires_grad_()
+    return inputs, kw
 
 
-@pytest.mark.parametrize("requires_grad", [False, True], ids=["nograd", "grad"])
+def _args(name, case, device, requires_grad, flag):
+    op = kda_op(name)
+    inputs, kw = _inputs(case, device, requires_grad)
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    N = B if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if name.startswith(("recurrent", "_recurrent")):
+        if kw.get("initial_state") is None:
+            kw["initial_state"] = torch.zeros(N, HV, q.shape[-1], V, dtype=state_dtype, device=device)
+        return op, op_args(op, inputs, kw)
+    if "bwd" not in name:
+        return op, op_args(op, inputs, kw, output_final_state=flag)
+    g = gen(case.seed + 1)
+    do = torch.randn(B, T, HV, V, generator=g).to(device=device, dtype=v.dtype)
+    dht = torch.randn(N, HV, q.shape[-1], V, generator=g).to(device=device, dtype=state_dtype) if flag else None
+    saved = {}
+    arg_names = [a.name for a in op._schema.arguments]
+    if "Aqk" in arg_names:                                # the forward's saved tensors, as autograd passes them
+        fwd = kda_op("_chunk_kda_fwd")
+        out = fwd(*op_args(fwd, inputs, kw, output_final_state=flag))
+        saved = {"Aqk": out[2], "Tm": out[3]}
+    return op, op_args(op, inputs, kw, do=do, dht=dht, **saved)
+
+
+def _id(p):
+    name, requires_grad, flag = p
+    return f"{name}-{'grad' if requires_grad else 'nograd'}-{'ht' if flag else 'noht'}"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("output_final_state", [True, False], ids=["ht", "noht"])
-def test_opcheck_fwd(case, requires_grad, output_final_state):
-    inputs, t, cu, flags = _args(case, requires_grad)
-    args = (*inputs, t["A_log"], t["dt_bias"], t["initial_state"], cu, *flags, output_final_state)
-    opcheck(torch.ops.kda_ops.chunk_kda_fwd.default, args)
+@pytest.mark.parametrize("p", ALL, ids=_id)
+def test_opcheck_cpu(p, case):
+    op, args = _args(*p[:1], case, "cpu", *p[1:])
+    opcheck(op, args)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("with_dht", [True, False], ids=["dht", "nodht"])
-def test_opcheck_bwd(case, with_dht):
-    inputs, t, cu, flags = _args(case, False)
-    B, T, HV, V = inputs[2].shape
-    N = B if cu is None else cu.numel() - 1
-    do = torch.randn(B, T, HV, V, dtype=inputs[2].dtype)
-    dht = torch.randn(N, HV, inputs[0].shape[-1], V, dtype=torch.float32) if with_dht else None
-    if inputs[0].dtype == torch.float64 and dht is not None:
-        dht = dht.double()
-    args = (do, dht, *inputs, t["A_log"], t["dt_bias"], t["initial_state"], cu, *flags)
-    opcheck(torch.ops.kda_ops.chunk_kda_bwd.default, args)
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("p", ALL, ids=_id)
+def test_opcheck_cuda(p, case):
+    op, args = _args(*p[:1], case, "cuda", *p[1:])
+    opcheck(op, args)
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.id)
-def test_opcheck_torch_impl_ops(case):
-    """The opaque ops holding the CPU implementation pass opcheck on their own too."""
-    inputs, t, cu, flags = _args(case, False)
-    args = (*inputs, t["A_log"], t["dt_bias"], t["initial_state"], cu, *flags, True)
-    opcheck(torch.ops.kda_ops.chunk_kda_fwd_torch.default, args)
+def test_every_op_is_checked():
+    """Each op registered under kda_ops appears in the lists above (a new op needs its opcheck)."""
+    import kda_ops  # noqa: F401
+    names = {n for n, _, _ in ALL}
+    registered = {str(op).split("::")[-1] for op in torch._C._dispatch_get_all_op_names() if op.startswith("kda_ops::")}
+    checked = {str(kda_op(n)).split(".")[1] for n in names}
+    assert registered <= checked, registered - checked

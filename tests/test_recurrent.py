@@ -10,48 +10,54 @@ import torch
 from torch.library import opcheck
 
 import kda_ops
-from kda_case import Case, rel_rms
-from kda_ops.reference import naive_recurrent_kda
+from handwritten import hw_kda
+from kda_case import Case, kda_op, op_args, rel_rms
 
+# Case.extra holds the scale passed (none: the default K ** -0.5); most cases have K != V
 CASES = [
-    Case(B=2, T=1, H=2, HV=2, K=16, V=16, dtype=torch.float32),
+    Case(B=2, T=1, H=2, HV=2, K=16, V=16, dtype=torch.float32, extra=dict(scale=0.7)),
     Case(B=3, T=4, H=1, HV=4, K=100, V=100, in_op=True, dtype=torch.float32),
     Case(B=2, T=2, H=2, HV=4, K=20, V=36, in_op=True, lower_bound=-3.0, allow_neg_eigval=True,
          dtype=torch.float32),
     Case(B=2, T=1, H=1, HV=2, K=16, V=8, in_op=True, initial_state=False, dtype=torch.float32),
-    Case(B=1, T=6, H=1, HV=2, K=16, V=16, seqlens=[1, 2, 3], in_op=True, dtype=torch.float32),
+    Case(B=1, T=6, H=1, HV=2, K=16, V=12, seqlens=[1, 0, 2, 3], in_op=True, dtype=torch.float32,
+         extra=dict(scale=1.25)),
     Case(B=2, T=3, H=2, HV=2, K=64, V=32, in_op=True, dtype=torch.bfloat16),
+    Case(B=2, T=3, H=1, HV=2, K=24, V=40, in_op=True, lower_bound=-1.0, dtype=torch.float64, extra=dict(scale=0.3)),
 ]
-GPU_CASES = CASES + [
+INTERPRETER_CASES = [c for c in CASES if c.dtype != torch.float64]
+GPU_CASES = INTERPRETER_CASES + [
     Case(B=2, T=1, H=2, HV=4, K=256, V=256, in_op=True, dtype=torch.bfloat16),
     Case(B=64, T=1, H=8, HV=8, K=128, V=128, in_op=True, lower_bound=-5.0, dtype=torch.bfloat16),
 ]
 
 
 def _inputs(case: Case, device="cpu"):
-    inputs, kw = case.make(device)
+    inputs, kw = case.make(device, seed=case.seed)
     kw.pop("output_final_state")
+    kw.update(case.extra)
     return inputs, kw
 
 
 def _reference(inputs, kw):
-    """The recurrence in float64 (zero initial state when absent)."""
-    kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in kw.items()}
-    o, ht = naive_recurrent_kda(*[x.double().cpu() for x in inputs],
-                                **{n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kw64.items()},
-                                output_final_state=True)
-    return o, ht
+    """tests/handwritten.py in float64 (zero initial state when absent). Not reference.naive_recurrent_kda:
+    on CPU that is what the op runs."""
+    return hw_kda(*[x.cpu() for x in inputs], **{n: (x.cpu() if isinstance(x, torch.Tensor) else x)
+                                                 for n, x in kw.items()})
 
 
 def _tolerance(dtype):
     # o is stored in the input dtype (bf16 rounding ~ 4e-3); the state stays fp32
+    if dtype == torch.float64:
+        return 1e-12, 1e-12
     return (1e-2, 1e-5) if dtype == torch.bfloat16 else (1e-5, 1e-5)
 
 
 def _check(case, o, ht, inputs, kw):
     ro, rht = _reference(inputs, kw)
     o_tol, h_tol = _tolerance(case.dtype)
-    assert o.dtype == inputs[2].dtype and ht.dtype == torch.float32
+    state_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    assert o.dtype == inputs[2].dtype and ht.dtype == state_dtype
     assert rel_rms(o.cpu(), ro) <= o_tol
     assert rel_rms(ht.cpu(), rht) <= h_tol
 
@@ -71,10 +77,8 @@ def test_opcheck(case):
     inputs, kw = _inputs(case)
     N = len(case.seqlens) if case.seqlens else case.B
     h0 = kw.get("initial_state", torch.zeros(N, case.HV, case.K, case.V))
-    args = (*inputs, kw.get("A_log"), kw.get("dt_bias"), h0, kw.get("cu_seqlens"), case.K ** -0.5,
-            kw.get("lower_bound"), kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
-            kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
-    opcheck(torch.ops.kda_ops.recurrent_kda.default, args)
+    op = kda_op("recurrent_kda_v1")
+    opcheck(op, op_args(op, inputs, kw, initial_state=h0, output_final_state=True))
 
 
 def test_state_is_functional():
@@ -110,7 +114,7 @@ def test_prefill_then_steps_equals_full_chunk(case):
 def _interpreter_main():
     from kda_ops.kernels.recurrent import recurrent_kda_triton
     from kernel_inputs import bundles
-    for case in CASES:
+    for case in INTERPRETER_CASES:
         inputs, kw = _inputs(case)
         N = len(case.seqlens) if case.seqlens else case.B
         h0 = kw.get("initial_state", torch.zeros(N, case.HV, case.K, case.V))
@@ -126,7 +130,7 @@ def test_triton_kernel_under_interpreter():
                PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == len(CASES)
+    assert proc.stdout.count("ok ") == len(INTERPRETER_CASES)
 
 
 # ----------------------------------------------------------------------------------------------
