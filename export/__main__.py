@@ -126,6 +126,9 @@ def check_args(args) -> list[str]:
     if unknown or not formats:
         raise UsageError(f"unknown format {', '.join(unknown) or '(none given)'}; choose from {', '.join(FORMATS)}")
     formats = list(dict.fromkeys(formats))
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError("kda-export needs torch: install the build for your platform first "
+                         "(https://pytorch.org/get-started/locally/), then kda_ops")
     if args.batch_max < 1:
         raise UsageError(f"--batch-max must be >= 1, got {args.batch_max}")
     if args.seq_max < 2:
