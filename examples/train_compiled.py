@@ -51,6 +51,7 @@ try:
     from tqdm import tqdm
 except ImportError:
     tqdm = None
+    print("(no progress bar: tqdm is not installed; pip install 'kda_ops[examples]')")
 
 PRESETS = {
     # GPU: 16 pairs, seq len 64, vocab 128; batch 512 x 64 tokens (the step is launch-bound: a big batch is cheap).
@@ -162,7 +163,10 @@ print(f"model: {json.dumps(dataclasses.asdict(cfg))}")
 train_gen = torch.Generator(device).manual_seed(args.seed)
 history, evals = [], []
 say = tqdm.write if tqdm else print
-steps = tqdm(range(args.steps), dynamic_ncols=True) if tqdm else range(args.steps)
+if not args.no_compile:
+    print("compiling the model (torch.compile, the first step takes ~20-30 s, longer on a small CPU)...", flush=True)
+steps = tqdm(range(args.steps), dynamic_ncols=True,
+             desc="compiling" if not args.no_compile else "training") if tqdm else range(args.steps)
 t_start = t_log = time.perf_counter()
 loss_sum = acc_sum = torch.zeros((), device=device)
 tokens = 0
@@ -182,6 +186,9 @@ for step in steps:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_sum, acc_sum, tokens = loss_sum + loss.detach(), acc_sum + acc, tokens + ids.numel()
+    if step == 0 and tqdm and not args.no_compile:
+        say(f"compiled: the first step took {time.perf_counter() - t_start:.1f} s")
+        steps.set_description("training")
     if (step + 1) % args.log_every == 0 or step == 0:
         n = 1 if step == 0 else args.log_every
         loss_avg, acc_avg = loss_sum.item() / n, acc_sum.item() / n                 # .item() syncs the device
@@ -199,7 +206,14 @@ evals.append(dict(step=args.steps, loss=eval_loss, acc=eval_acc))
 wall = time.perf_counter() - t_start
 n_eval = args.eval_batches * args.batch_size
 print(f"final eval: loss {eval_loss:.4f} | recall accuracy {eval_acc:.4f} on {n_eval} held-out sequences "
-      f"({n_eval * P} queries) | >= 0.99: {'yes' if eval_acc >= 0.99 else 'no'} | {wall:.1f} s")
+      f"({n_eval * P} queries) | {wall:.1f} s")
+if args.smoke:
+    # The smoke run checks that the compiled training step, evaluation and the checkpoint work end to end;
+    # 40 steps are too few to solve the task, so its accuracy is not a criterion.
+    print("smoke run passed: compiled forward + backward, optimizer steps and evaluation ran; "
+          "the checkpoint is written below (accuracy is not checked in a smoke run)")
+else:
+    print(f"target recall >= 0.99: {'reached' if eval_acc >= 0.99 else 'not reached'}")
 
 final = dict(step=args.steps, eval_loss=eval_loss, eval_acc=eval_acc, wall_s=wall)
 torch.save({"config": dataclasses.asdict(cfg), "model": raw_model.state_dict(), "args": vars(args),
@@ -224,5 +238,5 @@ try:
     fig.savefig(os.path.join(args.out, "mqar.png"), dpi=120)
     plot_note = "mqar.png"
 except ImportError:
-    plot_note = "no plot (matplotlib is not installed)"
+    plot_note = "no plot (matplotlib is not installed: pip install 'kda_ops[examples]')"
 print(f"wrote {args.out}/: ckpt.pt, log.json, {plot_note}")

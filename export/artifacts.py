@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
+from .names import DEFAULT_FORMATS, FILES, ONNX_FORMATS, all_file_names  # noqa: F401
+
 GRAPHS = ("prefill", "decode")
 
 
@@ -119,9 +121,9 @@ WRITERS: dict[str, Callable[[dict, Path], list[Path]]] = {
     "onnx-la": _onnx_writer("linear_attention", ".la"),
     "onnx-la-ms": _onnx_writer("ms_linear_attention", ".la-ms"),
 }
-DEFAULT_FORMATS = ("pt2", "aoti", "onnx", "onnx-la")
-
-
 def graph_of(path: Path) -> str:
     """'prefill' or 'decode', from an artifact's file name."""
     return path.name.split(".")[0]
+
+
+assert set(WRITERS) == set(FILES), "every writer lists its files in export/names.py"

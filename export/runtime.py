@@ -3,9 +3,10 @@
 Artifacts are told apart by name: ``*.onnx`` (onnxruntime), ``*.aoti.pt2`` (AOTInductor package),
 other ``*.pt2`` (torch.export program; needs ``kda_ops`` imported for its custom-op nodes).
 
-``python -m export.runtime ARTIFACT INPUTS.pt OUTPUTS.pt [--device D]`` loads ARTIFACT in this (fresh)
-process, runs it on each input list of ``torch.load(INPUTS.pt)["cases"]`` and saves
-``{"cases": [{"outputs": [...], "seconds": t}, ...]}`` (t: median of a few runs after warm-up).
+``python -m export.runtime ARTIFACT INPUTS.pt OUTPUTS.pt [--device D]`` (``kda_ops_export.runtime`` when
+installed) loads ARTIFACT in this (fresh) process, runs it on each input list of
+``torch.load(INPUTS.pt)["cases"]`` and saves ``{"cases": [{"outputs": [...], "seconds": t, "backend": b}, ...]}``
+(t: median of a few runs after warm-up; b: what ran it, e.g. onnxruntime's execution provider).
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def load(path: str, device: str = "cpu") -> Runner:
     return torch.no_grad()(fn)
 
 
+def _backend(fn: Runner, path: str, device: str) -> str:
+    return getattr(fn, "backend", None) or f"torch on {device}"
+
+
 def _load(path: str, device: str) -> Runner:
     if path.endswith(".onnx"):
         return _load_onnx(path, device)
@@ -40,7 +45,8 @@ def _load(path: str, device: str) -> Runner:
 
 
 def _load_onnx(path: str, device: str) -> Runner:
-    import onnxruntime as ort
+    import kda_ops
+    ort = kda_ops.require("onnxruntime", "running an ONNX artifact")
     providers = ["CPUExecutionProvider"]
     if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
@@ -51,6 +57,7 @@ def _load_onnx(path: str, device: str) -> Runner:
         # through numpy: fp32/fp16 models (the command line refuses ONNX with bf16, which numpy lacks)
         feed = {n: x.detach().cpu().numpy() for n, x in zip(names, xs)}
         return [torch.from_numpy(y) for y in session.run(None, feed)]
+    run.backend = session.get_providers()[0]
     return run
 
 
@@ -84,17 +91,18 @@ def timed_run(fn: Runner, inputs: Sequence[torch.Tensor], device: str, repeats: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.runtime", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}.runtime", description=__doc__.splitlines()[0])
     p.add_argument("artifact")
     p.add_argument("inputs")
     p.add_argument("outputs")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    fn = load(args.artifact, args.device)
+    raw = _load(args.artifact, args.device)
+    fn, backend = torch.no_grad()(raw), _backend(raw, args.artifact, args.device)
     results = []
     for inputs in torch.load(args.inputs)["cases"]:
         outputs, seconds = timed_run(fn, [x.to(args.device) for x in inputs], args.device)
-        results.append({"outputs": [y.detach().cpu() for y in outputs], "seconds": seconds})
+        results.append({"outputs": [y.detach().cpu() for y in outputs], "seconds": seconds, "backend": backend})
     torch.save({"cases": results}, args.outputs)
     return 0
 
