@@ -131,6 +131,8 @@ def run_info():
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+    # a copy of the tree without its git history (e.g. synced to a GPU machine) names its commit here
+    commit = os.environ.get("KDA_OPS_COMMIT", commit)
     try:
         import fla
         fla_version = getattr(fla, "__version__", "unknown")
