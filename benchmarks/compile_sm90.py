@@ -9,8 +9,8 @@ config; intra_bwd: the backward's row-block kernel at every config and its gate 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
 shows spills the GPU build does not have). Registers and spills come from the cuobjdump in the triton wheel.
-This is how the register counts in benchmarks/NOTES.md and the shared-memory notes in kernels/fwd_state.py
-are read.
+This is how the register counts and the shared-memory notes in the comments of kda_ops/kernels/ (e.g.
+bwd_intra.py, fwd_state.py) are read.
 """
 import os
 import re

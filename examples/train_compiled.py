@@ -10,10 +10,8 @@ the answer positions. Batches are generated on the fly on the training device fr
 
 Task of the GPU default: P = 16 pairs (sequence length 64), keys drawn without replacement from 63 key
 tokens and values uniformly from 64 value tokens (vocab 128), 2-layer KDA model (width 128, 2 heads of 64),
-target >= 0.99 recall on 2048 held-out sequences. On the H200 (compiled, bf16 autocast) it reached 0.9954 at step
-250 and 0.9999 after 1200 steps, 50.4 s including compilation (benchmarks/results/mqar_2026-11-30i_H200.txt).
-The earlier 64-pair preset that "did not learn" there ran into a torch.compile bug of this package, since fixed
-(benchmarks/results/gpu_session_2026-11-29c_H200.md, call 3).
+target >= 0.99 recall on 2048 held-out sequences. On an H200 (compiled, bf16 autocast) it reaches 0.9954 at
+step 250 and 0.9999 after 1200 steps, about 50 s including compilation (`python examples/train_compiled.py`).
 CPU evidence behind the preset (2 cores, OMP_NUM_THREADS=1; each a few minutes):
 
     python examples/train_compiled.py --device cpu --vocab-size 128 --num-kv-pairs 16 --min-kv-pairs 16 \

@@ -41,8 +41,7 @@ from .options import KDAInputs, KDAOptions
 SCHEMA_VERSION = 1
 _EMPTY = (0,)
 # Chunk size of the torch implementation. Any size gives the same result; on CPU its cost is dominated by
-# the per-pair decay tensor [C, C, K] of every chunk, and 16 runs several times faster than 64 there
-# (`python benchmarks/bench_cpu.py`).
+# the per-pair decay tensor [C, C, K] of every chunk, and 16 runs several times faster than 64 there.
 TORCH_CHUNK_SIZE = 16
 
 

@@ -1,5 +1,5 @@
 """The decode step: KDA token by token from a given state, in one launch (the CUDA path of
-``kda_ops::recurrent_kda``).
+``kda_ops::recurrent_kda_v1``).
 
 One program per (V-block, sequence, value head) holds the state tile S [BK, BV] (BK = K padded to a
 power of two, so every program sees whole key rows) as one fp32 accumulator and walks the few tokens
