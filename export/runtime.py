@@ -50,14 +50,14 @@ def _load_onnx(path: str, device: str) -> Runner:
     providers = ["CPUExecutionProvider"]
     if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
-    session = ort.InferenceSession(path, providers=providers)
-    names = [i.name for i in session.get_inputs()]
+    sess = ort.InferenceSession(path, providers=providers)
+    names = [i.name for i in sess.get_inputs()]
 
     def run(*xs):
         # through numpy: fp32/fp16 models (the command line refuses ONNX with bf16, which numpy lacks)
         feed = {n: x.detach().cpu().numpy() for n, x in zip(names, xs)}
-        return [torch.from_numpy(y) for y in session.run(None, feed)]
-    run.backend = session.get_providers()[0]
+        return [torch.from_numpy(y) for y in sess.run(None, feed)]
+    run.backend = sess.get_providers()[0]
     return run
 
 

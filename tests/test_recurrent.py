@@ -1,4 +1,4 @@
-"""The decode step, kda_ops::recurrent_kda: the CPU op, the Triton kernel (interpreter on CPU, and GPU),
+"""The decode step, kda_ops::recurrent_kda_v1: the CPU op, the Triton kernel (interpreter on CPU, and GPU),
 and the hand-off from a chunked prefill to recurrent steps."""
 import os
 import subprocess
