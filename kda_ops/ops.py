@@ -61,19 +61,22 @@ def _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allo
     return KDAOptions(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
 
 
-def _chunk_index(q: Tensor, cu_seqlens, chunk_indices, chunk_offsets):
-    """The call's chunk index: the one passed in (built once by the training path), or a fresh one."""
-    if cu_seqlens is not None and (chunk_indices is None or chunk_offsets is None):
-        return kernels.chunk_index(q.shape[0], q.shape[1], cu_seqlens)
-    return kernels.ChunkIndex.from_tensors(q.shape[0], q.shape[1], cu_seqlens, chunk_indices, chunk_offsets)
+def _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+                  scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, chunked=True):
+    """(KDAInputs, KDAOptions, ChunkIndex or None) for the kernels from an op's flat arguments.
 
-
-def _contiguous(x: KDAInputs) -> KDAInputs:
-    """What the kernels read as dense memory made dense (a no-op when it already is); states keep their
-    strides, the kernels read them through their strides."""
+    What the kernels read as dense memory is made dense (a no-op when it already is); states keep their
+    strides, the kernels read them through their strides. The chunk index is the one passed in (built once
+    by the training path) or a fresh one."""
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
-    return KDAInputs(c(x.q), c(x.k), c(x.v), c(x.g), c(x.beta), c(x.A_log), c(x.dt_bias), x.initial_state,
-                     c(x.cu_seqlens))
+    x = KDAInputs(c(q), c(k), c(v), c(g), c(beta), c(A_log), c(dt_bias), initial_state, c(cu_seqlens))
+    opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+    if not chunked:
+        return x, opts, None
+    B, T = q.shape[:2]
+    if x.cu_seqlens is not None and (chunk_indices is None or chunk_offsets is None):
+        return x, opts, kernels.chunk_index(B, T, x.cu_seqlens)
+    return x, opts, kernels.ChunkIndex.from_tensors(B, T, x.cu_seqlens, chunk_indices, chunk_offsets)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,9 +192,8 @@ def chunk_kda_v1(
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
-        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = kernels.chunk_index(q.shape[0], q.shape[1], x.cu_seqlens)
+        x, opts, idx = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, None, None,
+                                     scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
         o, ht, _, _ = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
         return o, _or_empty(ht, q, torch.float32)
     return torch.ops.kda_ops._chunk_kda_fwd_torch(
@@ -208,8 +210,9 @@ def recurrent_kda_v1(
     use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
 ) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
-        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
+        x, opts, _ = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, None, None,
+                                   scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval,
+                                   chunked=False)
         return kernels.recurrent_kda_triton(x, opts)
     return torch.ops.kda_ops._recurrent_kda_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
@@ -234,9 +237,9 @@ def _chunk_kda_fwd(
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
-        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
-        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = _chunk_index(q, x.cu_seqlens, chunk_indices, chunk_offsets)
+        x, opts, idx = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+                                     chunk_offsets, scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid,
+                                     allow_neg_eigval)
         o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
         return o, _or_empty(ht, q, torch.float32), Aqk, Tm
     o, ht = torch.ops.kda_ops._chunk_kda_fwd_torch(
@@ -257,9 +260,9 @@ def _chunk_kda_bwd(
     Aqk: Optional[Tensor], Tm: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
-        x = _contiguous(KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
-        opts = _options(scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        idx = _chunk_index(q, x.cu_seqlens, chunk_indices, chunk_offsets)
+        x, opts, idx = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+                                     chunk_offsets, scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid,
+                                     allow_neg_eigval)
         saved = None if Aqk is None or Tm is None else (Aqk.contiguous(), Tm.contiguous())
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
             do.contiguous(), dht, x, opts, idx, saved)
