@@ -1,0 +1,167 @@
+"""bf16 chunk_kda on CUDA in every gate regime against the fp64 recurrence, beside FLA on the same inputs.
+
+For each regime of kda_ops.testing.REGIMES (gate, l2norm and beta sigmoid in the op; lower_bound=-5 in
+safe_gate) and three shapes with odd sizes (K=100, V=60 with HV=2H; varlen with a sequence shorter than a
+chunk; K=V=128 at T=1000): o and the final state, and the gradients of q, k, v, g, beta, A_log, dt_bias
+and the initial state for the loss <o, do> + <ht, dht>, as relative RMS against autograd through
+kda_ops.naive_recurrent_kda in float64, run on the GPU on the same inputs upcast.
+
+Bounds: kda_case.BF16_TOL for o, ht, dq, dk, dv, dh0, dg, dbeta. dA_log and ddt_bias: 1.5 x FLA's error
+(fla.ops.kda.chunk_kda; safe_gate=True, lower_bound=-5 in the safe_gate regime) against the same fp64
+reference, on the same inputs, measured in the same test; BF16_TOL's 2e-2 when FLA is not importable
+(KDA_OPS_REQUIRE_FLA=1 turns a missing FLA into a failure). Every error is printed, per test and as one
+table at the end of the module (pytest -s shows it):
+
+    KDA_OPS_AUTOTUNE=0 KDA_OPS_REQUIRE_FLA=1 python -m pytest -q -s -p no:cacheprovider tests/test_gpu_regimes.py
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kda_ops
+from kda_case import BF16_TOL, rel_rms, stable_seed
+from kda_ops.testing import REGIMES, make_inputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+FLA_FACTOR = 1.5                      # dA_log / ddt_bias: at most this times FLA's error on the same inputs
+FLA_BOUNDED = ("dA_log", "ddt_bias")
+TENSORS = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+GRAD_OF = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0", A_log="dA_log",
+               dt_bias="ddt_bias")
+
+SHAPES = {
+    "B2-T300-H2-HV4-K100-V60": dict(B=2, T=300, H=2, HV=4, K=100, V=60),
+    "varlen37_163_133-H2-HV4-K100-V60": dict(B=1, T=333, H=2, HV=4, K=100, V=60, cu_seqlens=[0, 37, 200, 333]),
+    "B1-T1000-H2-K128-V128": dict(B=1, T=1000, H=2, HV=2, K=128, V=128),
+}
+
+ROWS: list = []        # (regime, shape, tensor, kda_ops error, FLA error or None, bound, ok)
+
+
+def load_fla():
+    """FLA's chunk_kda, or (None, why)."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as e:
+        return None, f"{type(e).__name__}: {e}"
+    return chunk_kda, ""
+
+
+def fla_call(chunk_kda):
+    """FLA's chunk_kda called as its users call it: int64 offsets, safe_gate with a lower bound."""
+    def call(cu_seqlens=None, lower_bound=None, **kw):
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.long()
+        return chunk_kda(cu_seqlens=cu_seqlens, lower_bound=lower_bound, safe_gate=lower_bound is not None, **kw)
+    return call
+
+
+def run(fn, x: dict, do: torch.Tensor, dht: torch.Tensor, dtype=None) -> dict:
+    """fn(**x, output_final_state=True) with every floating-point tensor of x a fresh leaf (a copy, cast to
+    ``dtype`` when given), then backward of <o, do> + <ht, dht> in float64. Returns o, ht and the gradient of
+    each leaf by its name in GRAD_OF (None where fn gave none)."""
+    kw, leaves = {}, {}
+    for name, t in x.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t = t.detach().to(dtype or t.dtype, copy=True).requires_grad_(True)
+            leaves[name] = t
+        kw[name] = t
+    o, ht = fn(**kw, output_final_state=True)
+    loss = (o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()
+    loss.backward()
+    out = dict(o=o.detach(), ht=ht.detach())
+    out.update({GRAD_OF[name]: t.grad for name, t in leaves.items()})
+    return out
+
+
+def cotangents(x: dict, seed: int):
+    """do [B, T, HV, V] (bf16 values, so that every path sees the same numbers) and dht [N, HV, K, V] fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, HV, V = x["v"].shape
+    N, K = x["initial_state"].shape[0], x["q"].shape[-1]
+    do = torch.randn(B, T, HV, V, generator=gen).to(torch.bfloat16).to(device=x["v"].device, dtype=torch.float32)
+    dht = torch.randn(N, HV, K, V, generator=gen).to(x["v"].device)
+    return do, dht
+
+
+def fmt(e) -> str:
+    return "-" if e is None else f"{e:.2e}"
+
+
+def table(rows) -> str:
+    lines = ["| regime | shape | tensor | kda_ops vs fp64 | FLA vs fp64 | bound | ok |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r} | {s} | {t} | {fmt(e)} | {fmt(f)} | {b:.2e} | {'yes' if ok else 'NO'} |"
+              for r, s, t, e, f, b, ok in rows]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary():
+    yield
+    if ROWS:
+        chunk_kda, why = load_fla()
+        print(f"\n\nchunk_kda bf16 vs the fp64 recurrence, every gate regime (relative RMS; FLA: "
+              f"{'fla.ops.kda.chunk_kda' if chunk_kda else 'not importable, ' + why}; bound for dA_log / "
+              f"ddt_bias = {FLA_FACTOR} x FLA's error)\n" + table(ROWS), flush=True)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunk_kda_regime_vs_fp64(regime, shape):
+    spec = dict(SHAPES[shape])
+    cu = spec.pop("cu_seqlens", None)
+    seed = stable_seed(f"regimes-{regime}-{shape}")
+    x = make_inputs(**spec, regime=regime, dtype=DTYPE, device=DEVICE, seed=seed, cu_seqlens=cu,
+                    initial_state=True)
+    do, dht = cotangents(x, seed + 1)
+
+    ref = run(kda_ops.naive_recurrent_kda, x, do, dht, dtype=torch.float64)
+    got = run(kda_ops.chunk_kda, x, do, dht)
+    assert set(got) == set(TENSORS) == set(ref), (sorted(got), sorted(ref))
+    for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        assert got[name].dtype == DTYPE, (name, got[name].dtype)
+    assert got["ht"].dtype == torch.float32
+
+    chunk_kda_fla, why = load_fla()
+    if chunk_kda_fla is None and os.environ.get("KDA_OPS_REQUIRE_FLA") == "1":
+        pytest.fail(f"KDA_OPS_REQUIRE_FLA=1 but FLA is not importable: {why}")
+    fla, fla_error = None, ""
+    if chunk_kda_fla is not None:
+        try:
+            fla = run(fla_call(chunk_kda_fla), x, do, dht)
+        except Exception as e:                        # reported as a failure below, after the table
+            fla_error = f"FLA raised {type(e).__name__}: {e}"
+
+    problems = [] if not fla_error else [fla_error]
+    rows = []
+    for name in TENSORS:
+        if not torch.isfinite(got[name]).all():
+            problems.append(f"kda_ops {name} is not finite")
+        err = rel_rms(got[name], ref[name])
+        fla_err = None
+        if fla is not None:
+            if fla.get(name) is None:
+                problems.append(f"FLA gave no {name}")
+            else:
+                fla_err = rel_rms(fla[name], ref[name])
+        if name in FLA_BOUNDED and chunk_kda_fla is not None:
+            bound = FLA_FACTOR * fla_err if fla_err is not None else float("nan")
+        else:
+            bound = BF16_TOL[name]
+        ok = err <= bound
+        if not ok:
+            problems.append(f"{name}: {err:.3e} > {bound:.3e}")
+        rows.append((regime, shape, name, err, fla_err, bound, ok))
+    ROWS.extend(rows)
+    print(f"\n{regime} {shape}\n" + table(rows), flush=True)
+    assert not problems, f"{regime} {shape}: " + "; ".join(problems)
