@@ -126,9 +126,9 @@ def test_autotune_size_class_adds_no_guard():
 def test_chunk_kernels_autotune_per_size_class():
     """Every autotuned chunk kernel keys its configs on the size class as well as K / V and flags (a config
     timed on the first call's shape, e.g. a test's, was reused for every shape after it)."""
-    from kda_ops.kernels import chunk_bwd, intra, intra_bwd, state, state_bwd
+    from kda_ops.kernels import bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu
 
-    for kernel in (intra.chunk_kda_fwd_kernel_intra, intra.chunk_kda_fwd_kernel_wu, state.chunk_kda_fwd_kernel_state,
-                   state_bwd.chunk_kda_bwd_kernel_state, chunk_bwd.chunk_kda_bwd_kernel_inter,
-                   intra_bwd.chunk_kda_bwd_kernel_intra):
+    for kernel in (fwd_intra.chunk_kda_fwd_kernel_intra, fwd_wu.chunk_kda_fwd_kernel_wu,
+                   fwd_state.chunk_kda_fwd_kernel_state, bwd_state.chunk_kda_bwd_kernel_state,
+                   bwd_inter.chunk_kda_bwd_kernel_inter, bwd_intra.chunk_kda_bwd_kernel_intra):
         assert "TUNE_SIZE" in kernel.keys, kernel.fn.__name__

@@ -118,7 +118,7 @@ def _interpreter_main():
         inputs, kw = _inputs(case)
         N = len(case.seqlens) if case.seqlens else case.B
         h0 = kw.get("initial_state", torch.zeros(N, case.HV, case.K, case.V))
-        x, opts = bundles(inputs, kw, initial_state=h0)
+        x, opts = bundles(inputs, kw, scale=kw.get("scale"), initial_state=h0)
         o, ht = recurrent_kda_triton(x, opts)
         _check(case, o, ht, inputs, kw)
         print("ok", case.id)
