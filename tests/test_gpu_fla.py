@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import kda_ops
+from gpu_compare import fmt, markdown_table, run
 from kda_case import BF16_TOL, rel_rms, stable_seed
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -41,8 +42,6 @@ AGREE_OUT = 1e-2          # o, ht: kda_ops vs FLA
 AGREE_GRAD = 2e-2         # dq, dk, dv, dg, dbeta, dh0: kda_ops vs FLA
 ASSERT_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 REPORT_GRADS = ("dA_log", "ddt_bias")
-GRAD_OF = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0", A_log="dA_log",
-               dt_bias="ddt_bias")
 
 CHUNK_SHAPES = {
     "B2-T300-H2-HV4-K128-V64": dict(B=2, T=300, H=2, HV=4, K=128, V=64),
@@ -81,26 +80,6 @@ def call(fn, **fixed):
     return functools.partial(fn, **fixed) if fixed else fn
 
 
-def run(fn, x: dict, do=None, dht=None, dtype=None) -> dict:
-    """fn(**x, output_final_state=True) with every floating-point tensor of x a fresh copy (cast to ``dtype``
-    when given). With ``do``: leaves, and backward of <o, do> + <ht, dht> in float64; returns o, ht and the
-    gradient of each leaf by its name in GRAD_OF (None where fn gave none)."""
-    grad = do is not None
-    kw, leaves = {}, {}
-    for name, t in x.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            t = t.detach().to(dtype or t.dtype, copy=True).requires_grad_(grad)
-            leaves[name] = t
-        kw[name] = t
-    with torch.set_grad_enabled(grad):
-        o, ht = fn(**kw, output_final_state=True)
-    out = dict(o=o.detach(), ht=ht.detach())
-    if grad:
-        ((o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()).backward()
-        out.update({GRAD_OF[name]: t.grad for name, t in leaves.items()})
-    return out
-
-
 def states_k_first(out: dict) -> dict:
     """ht and dh0 of a V-first call in the [N, HV, K, V] layout of the fp64 reference."""
     out = dict(out)
@@ -110,16 +89,10 @@ def states_k_first(out: dict) -> dict:
     return out
 
 
-def fmt(e) -> str:
-    return "-" if e is None else f"{e:.2e}"
-
-
 def table(rows) -> str:
-    lines = ["| op | regime | shape | state | tensor | kda_ops vs FLA | kda_ops vs fp64 | FLA vs fp64 | ok |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {op} | {r} | {s} | {lay} | {t} | {fmt(a)} | {fmt(e)} | {fmt(f)} | {ok} |"
-              for op, r, s, lay, t, a, e, f, ok in rows]
-    return "\n".join(lines)
+    return markdown_table(["op", "regime", "shape", "state", "tensor", "kda_ops vs FLA", "kda_ops vs fp64",
+                           "FLA vs fp64", "ok"],
+                          [[op, r, s, lay, t, fmt(a), fmt(e), fmt(f), ok] for op, r, s, lay, t, a, e, f, ok in rows])
 
 
 ROWS: list = []

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import kda_ops
+from gpu_compare import fmt, markdown_table, run
 from kda_case import BF16_TOL, rel_rms, stable_seed
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -35,8 +36,6 @@ DTYPE = torch.bfloat16
 FLA_FACTOR = 1.5                      # dA_log / ddt_bias: at most this times FLA's error on the same inputs
 FLA_BOUNDED = ("dA_log", "ddt_bias")
 TENSORS = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-GRAD_OF = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0", A_log="dA_log",
-               dt_bias="ddt_bias")
 
 SHAPES = {
     "B2-T300-H2-HV4-K100-V60": dict(B=2, T=300, H=2, HV=4, K=100, V=60),
@@ -65,24 +64,6 @@ def fla_call(chunk_kda):
     return call
 
 
-def run(fn, x: dict, do: torch.Tensor, dht: torch.Tensor, dtype=None) -> dict:
-    """fn(**x, output_final_state=True) with every floating-point tensor of x a fresh leaf (a copy, cast to
-    ``dtype`` when given), then backward of <o, do> + <ht, dht> in float64. Returns o, ht and the gradient of
-    each leaf by its name in GRAD_OF (None where fn gave none)."""
-    kw, leaves = {}, {}
-    for name, t in x.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            t = t.detach().to(dtype or t.dtype, copy=True).requires_grad_(True)
-            leaves[name] = t
-        kw[name] = t
-    o, ht = fn(**kw, output_final_state=True)
-    loss = (o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()
-    loss.backward()
-    out = dict(o=o.detach(), ht=ht.detach())
-    out.update({GRAD_OF[name]: t.grad for name, t in leaves.items()})
-    return out
-
-
 def cotangents(x: dict, seed: int):
     """do [B, T, HV, V] (bf16 values, so that every path sees the same numbers) and dht [N, HV, K, V] fp32."""
     gen = torch.Generator().manual_seed(seed)
@@ -93,16 +74,9 @@ def cotangents(x: dict, seed: int):
     return do, dht
 
 
-def fmt(e) -> str:
-    return "-" if e is None else f"{e:.2e}"
-
-
 def table(rows) -> str:
-    lines = ["| regime | shape | tensor | kda_ops vs fp64 | FLA vs fp64 | bound | ok |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r} | {s} | {t} | {fmt(e)} | {fmt(f)} | {b:.2e} | {'yes' if ok else 'NO'} |"
-              for r, s, t, e, f, b, ok in rows]
-    return "\n".join(lines)
+    return markdown_table(["regime", "shape", "tensor", "kda_ops vs fp64", "FLA vs fp64", "bound", "ok"],
+                          [[r, s, t, fmt(e), fmt(f), f"{b:.2e}", "yes" if ok else "NO"] for r, s, t, e, f, b, ok in rows])
 
 
 @pytest.fixture(scope="module", autouse=True)
