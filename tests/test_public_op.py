@@ -130,3 +130,33 @@ def test_recurrent_kda_matches_handwritten(case, scale):
     assert o.dtype == inputs[2].dtype
     assert rel_rms(o, o_ref) < tol
     assert rel_rms(ht, ht_ref) < tol
+
+
+def test_op_choice_training_vs_inference():
+    """A call that needs gradients runs the private training op (it keeps the forward's intermediates for the
+    backward); one that does not runs the stable op that exported graphs hold."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "kda_ops":
+                self.seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gg = (torch.randn(1, 20, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    beta = torch.rand(1, 20, 2, generator=g, dtype=torch.float64)
+    gg = -gg.abs()
+    with Ops() as m:
+        kda_ops.chunk_kda(q, k, v, gg, beta)
+    assert "chunk_kda_v1" in m.seen and "_chunk_kda_fwd" not in m.seen, m.seen
+    with Ops() as m:
+        kda_ops.chunk_kda(q.requires_grad_(), k, v, gg, beta)
+    assert "_chunk_kda_fwd" in m.seen and "chunk_kda_v1" not in m.seen, m.seen
+    with torch.no_grad(), Ops() as m:
+        kda_ops.chunk_kda(q, k, v, gg, beta)
+    assert "chunk_kda_v1" in m.seen, m.seen
