@@ -1,6 +1,7 @@
-"""Bad or edge input through the public functions on CPU: strides, cu_seqlens values, non-finite values,
-degenerate sizes and arguments the op would otherwise ignore. (The Triton kernels' strides, bounds and
-containment are tested in tests/test_kernels_fwd.py under the interpreter.)"""
+"""Bad or edge input through the public functions: strides, cu_seqlens values, non-finite values, degenerate
+sizes and arguments the op would otherwise ignore. Each value test runs on CPU (float64) and, marked gpu, on
+CUDA (float32, the Triton kernels); the Triton kernels' strides, bounds and containment are also tested under
+the interpreter in tests/test_kernels_fwd.py."""
 import math
 
 import pytest
@@ -13,9 +14,20 @@ from kda_case import rel_rms
 B, T, H, HV, K, V = 2, 40, 1, 2, 8, 12          # K != V: a state-layout mix-up cannot pass
 
 
-def inputs(seed=0, B=B, T=T, dtype=torch.float64, **over):
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+TOL = {"cpu": 1e-12, "cuda": 1e-5}             # vs the hand-written recurrence: float64 on CPU, float32 on CUDA
+
+
+def dtype_of(device):
+    return torch.float64 if device == "cpu" else torch.float32
+
+
+def inputs(seed=0, B=B, T=T, dtype=torch.float64, device="cpu", **over):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    if device != "cpu":
+        dtype = torch.float32
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype).to(device)  # noqa: E731
     x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
              A_log=r(HV), dt_bias=r(HV * K), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
@@ -23,15 +35,17 @@ def inputs(seed=0, B=B, T=T, dtype=torch.float64, **over):
     return x
 
 
-def h0(N=B, seed=1):
-    return torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+def h0(N=B, seed=1, device="cpu"):
+    s = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return s.to(device=device, dtype=dtype_of(device))
 
 
 # ---------------------------------------------------------------------------------------------- strides
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", [kda_ops.chunk_kda, kda_ops.recurrent_kda], ids=["chunk", "recurrent"])
-def test_any_strides(fn):
-    x = inputs()
-    s = h0()
+def test_any_strides(fn, device):
+    x = inputs(device=device)
+    s = h0(device=device)
     kw = dict(output_final_state=True) if fn is kda_ops.chunk_kda else {}
     o_ref, ht_ref = fn(**x, initial_state=s, **kw)
     strided = dict(x, q=x["q"].transpose(0, 1).contiguous().transpose(0, 1),
@@ -45,10 +59,11 @@ def test_any_strides(fn):
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", [kda_ops.chunk_kda, kda_ops.recurrent_kda], ids=["chunk", "recurrent"])
-def test_state_v_first(fn):
-    x = inputs()
-    s = h0()
+def test_state_v_first(fn, device):
+    x = inputs(device=device)
+    s = h0(device=device)
     kw = dict(output_final_state=True) if fn is kda_ops.chunk_kda else {}
     o, ht = fn(**x, initial_state=s, **kw)
     o_v, ht_v = fn(**x, initial_state=s.transpose(-1, -2).contiguous(), state_v_first=True, **kw)
@@ -58,8 +73,9 @@ def test_state_v_first(fn):
         fn(**x, initial_state=s.transpose(-1, -2).contiguous(), **kw)
 
 
-def test_gate_parameters_any_dtype_and_shape():
-    x = inputs(dtype=torch.float32)
+@pytest.mark.parametrize("device", DEVICES)
+def test_gate_parameters_any_dtype_and_shape(device):
+    x = inputs(dtype=torch.float32, device=device)
     A_log = x["A_log"].to(torch.bfloat16).view(1, 1, HV, 1).requires_grad_()
     dt_bias = x["dt_bias"].to(torch.float16).view(HV, K).requires_grad_()
     o, _ = kda_ops.chunk_kda(**dict(x, A_log=A_log, dt_bias=dt_bias))
@@ -81,11 +97,38 @@ def test_bad_cu_seqlens_values(fn, cu, entry):
         fn(**x, cu_seqlens=torch.tensor(cu))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cu", [[0, 7, 30], [3, 10, 40], [0, 5, 2, 40], [0, 20, 4000], [0, 7, 10**6], [-5, 10, 40]])
+@pytest.mark.parametrize("fn", [kda_ops.chunk_kda, kda_ops.recurrent_kda], ids=["chunk", "recurrent"])
+def test_bad_cu_seqlens_values_on_cuda(fn, cu):
+    """CUDA does not read cu_seqlens on the host by default: any values run inside the tensors (each sequence
+    clamped to [0, T] and made non-decreasing), with finite results and the untouched tokens zero; the opt-in
+    check (kda_ops.set_cu_seqlens_check / KDA_OPS_CHECK_CU_SEQLENS=1) raises the CPU path's ValueError."""
+    x = inputs(B=1, device="cuda")
+    cu_t = torch.tensor(cu, device="cuda")
+    kw = dict(output_final_state=True) if fn is kda_ops.chunk_kda else {}
+    if fn is kda_ops.recurrent_kda:
+        kw["initial_state"] = h0(N=len(cu) - 1, device="cuda")
+    o, ht = fn(**x, cu_seqlens=cu_t, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    lo, hi = max(0, min(cu[0], T)), max(0, min(max(cu), T))
+    assert not o[:, :lo].any() and not o[:, hi:].any()
+    kda_ops.set_cu_seqlens_check(True)
+    try:
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            fn(**x, cu_seqlens=cu_t, **kw)
+    finally:
+        kda_ops.set_cu_seqlens_check(False)
+
+
 # ---------------------------------------------------------------------------------------------- non-finite
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
-def test_nan_stays_in_its_sequence_and_never_reaches_the_past(name):
-    cu = torch.tensor([0, 17, 40])
-    x = inputs(B=1)
+def test_nan_stays_in_its_sequence_and_never_reaches_the_past(name, device):
+    cu = torch.tensor([0, 17, 40], device=device)
+    x = inputs(B=1, device=device)
     o, ht = kda_ops.chunk_kda(**x, cu_seqlens=cu, output_final_state=True)
     bad = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     bad[name][0, 30] = math.nan                  # sequence 2, token 30
@@ -95,23 +138,27 @@ def test_nan_stays_in_its_sequence_and_never_reaches_the_past(name):
     assert o_n[:, 30].isnan().any()              # the NaN does reach its own token
 
 
-def test_full_decay_is_a_reset():
-    x = inputs(use_gate_in_kernel=False, A_log=None, dt_bias=None)
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_decay_is_a_reset(device):
+    x = inputs(use_gate_in_kernel=False, A_log=None, dt_bias=None, device=device)
     x["g"] = -torch.nn.functional.softplus(x["g"])
     x["g"][:, 20] = -math.inf                    # token 20 forgets everything before it
-    s = h0()
+    s = h0(device=device)
     o, ht = kda_ops.chunk_kda(**x, initial_state=s, output_final_state=True)
-    ref_o, ref_ht = hw_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=s,
+    up = lambda t: t.cpu().double()  # noqa: E731
+    ref_o, ref_ht = hw_kda(up(x["q"]), up(x["k"]), up(x["v"]), up(x["g"]), up(x["beta"]), initial_state=up(s),
                            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    assert torch.isfinite(o).all() and rel_rms(o, ref_o) < 1e-12 and rel_rms(ht, ref_ht) < 1e-12
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_rms(o.cpu().double(), ref_o) < TOL[device] and rel_rms(ht.cpu().double(), ref_ht) < TOL[device]
     xg = dict(x, q=x["q"].requires_grad_(), v=x["v"].requires_grad_())
     o, _ = kda_ops.chunk_kda(**xg)
     o.sum().backward()
     assert torch.isfinite(xg["q"].grad).all() and torch.isfinite(xg["v"].grad).all()
 
 
-def test_raw_gate_plus_inf_is_finite():
-    x = inputs()
+@pytest.mark.parametrize("device", DEVICES)
+def test_raw_gate_plus_inf_is_finite(device):
+    x = inputs(device=device)
     x["g"][:, 12] = math.inf                     # softplus(inf) = inf: a full reset through the in-op gate
     x = {n: (t.requires_grad_() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     o, ht = kda_ops.chunk_kda(**x, output_final_state=True)
@@ -155,11 +202,12 @@ def test_zero_heads(dim, name):
         kda_ops.chunk_kda(**x)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", [kda_ops.chunk_kda, kda_ops.recurrent_kda], ids=["chunk", "recurrent"])
 @pytest.mark.parametrize("b,t", [(2, 0), (0, 5)])
-def test_empty_batch_or_sequence(fn, b, t):
-    x = inputs(B=b, T=t)
-    s = h0(N=b)
+def test_empty_batch_or_sequence(fn, b, t, device):
+    x = inputs(B=b, T=t, device=device)
+    s = h0(N=b, device=device)
     kw = dict(output_final_state=True) if fn is kda_ops.chunk_kda else {}
     o, ht = fn(**x, initial_state=s, **kw)
     assert o.shape == (b, t, HV, V) and torch.equal(ht, s)
