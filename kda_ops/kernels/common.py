@@ -201,6 +201,42 @@ G_MIN = tl.constexpr(-128.0)
 
 
 @triton.jit
+def finite(x):
+    """Elementwise: x is neither NaN nor +-inf (a comparison, so a NaN gives False)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def first_bad_row(ok, BT: tl.constexpr):
+    """First row i of ok [BT, N] with a False, BT if none: int32 scalar (rows of invalid inputs, see
+    chunk_kda_fwd_kernel_intra's note on non-finite inputs)."""
+    return tl.min(tl.min(tl.where(ok, BT, tl.arange(0, BT)[:, None]), axis=1), axis=0)
+
+
+@triton.jit
+def poison_rows(qg, kd, gam, f, Tc, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                KD_T: tl.constexpr):
+    """NaN into rows f .. Tc - 1 of one (chunk, value head) of qg and gam [BT, K] (row stride HV * K) and of kd
+    (KD_T: columns of its [K, BT] kd^T block; else rows, row stride HV * K); the pointers are at the chunk's
+    first row / its block. Then the state pass gives NaN o rows >= f (qg S is row by row) and a NaN state
+    leaving the chunk (kd^T Vn sums over every row; exp2 of the last row's gam), and in the backward's
+    recompute dVn = Aqk^T dO + kd dS, dq (through exp2(gam)) and the gradient of the state entering the chunk
+    are NaN. Only called for a chunk with an invalid row (rare): never on the clean path."""
+    # row by row with [BK] vectors: few registers (the callers' register budgets are tight), speed irrelevant
+    b_nan = tl.full([BK], float("nan"), dtype=tl.float32)
+    for t in range(f, Tc):
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            tl.store(qg + t * (HV * K) + o_k, b_nan.to(qg.dtype.element_ty), mask=m_k)
+            tl.store(gam + t * (HV * K) + o_k, b_nan, mask=m_k)
+            if KD_T:
+                tl.store(kd + o_k * BT + t, b_nan.to(kd.dtype.element_ty), mask=m_k)
+            else:
+                tl.store(kd + t * (HV * K) + o_k, b_nan.to(kd.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
 def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, USE_L2NORM: tl.constexpr, EPS: tl.constexpr):
     """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps): [BT] fp32 (ones without l2norm)."""
@@ -219,6 +255,26 @@ def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def l2norm_rscale_checked(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
+    """l2norm_rscale of k (pointer at the chunk's first row and the key head) with non-finite elements counted
+    as 0, so an invalid row's factor stays finite; returns ([BT] factors, the first row with a non-finite
+    element (int32, BT if none))."""
+    o_t = tl.arange(0, BT)
+    b_ss = tl.zeros([BT], dtype=tl.float32)
+    f_bad = tl.full((), BT, tl.int32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        # [BT, BK]
+        b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
+                      mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
+        ok = finite(b_x)
+        f_bad = tl.minimum(f_bad, first_bad_row(ok, BT))
+        b_x = tl.where(ok, b_x, 0.0)
+        b_ss += tl.sum(b_x * b_x, axis=1)
+    return tl.rsqrt(b_ss + EPS), f_bad
+
+
+@triton.jit
 def softplus(x):
     # log(1 + exp(x)) without overflow
     return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
@@ -229,9 +285,11 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
                    HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                    HAS_LOWER_BOUND: tl.constexpr):
-    """Loads the gate of one chunk and K-block, activates it, returns gam [BT, BK] fp32 (log2 units).
+    """Loads the gate of one chunk and K-block, activates it, returns (gam [BT, BK] fp32 (log2 units), the
+    first row whose activated gate is NaN or +inf in this K-block (int32, BT if none)).
 
-    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later).
+    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
+    so do invalid rows (selection), so that gam stays finite.
     """
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -253,17 +311,19 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
         else:
             b_g = -b_a * softplus(b_g)
         b_g = tl.where(m_t[:, None] & m_k[None, :], b_g, 0.0)
-    # a step below G_MIN decays to exactly 0 in fp32 either way (exp(-104) is below the smallest fp32); raising
-    # it to G_MIN keeps the cumsum finite (g = -inf, a full reset, would make gam_i - gam_j = -inf + inf = NaN)
-    # and well conditioned. Selection, not max: a NaN stays NaN
-    b_g = tl.where(b_g < G_MIN, G_MIN, b_g)
-    return tl.cumsum(b_g, axis=0) * 1.4426950408889634
+    # NaN and +inf are invalid (zeroed here, their rows flagged); -inf is a valid full reset: a step below G_MIN
+    # decays to exactly 0 in fp32 either way (exp(-104) is below the smallest fp32); raising it to G_MIN keeps
+    # the cumsum finite (g = -inf would make gam_i - gam_j = -inf + inf = NaN) and well conditioned
+    ok = b_g < float("inf")
+    b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
+    return tl.cumsum(b_g, axis=0) * 1.4426950408889634, first_bad_row(ok, BT)
 
 
 @triton.jit
 def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
               USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr):
-    """Activated beta of one chunk: [BT] fp32 (zero past Tc)."""
+    """Activated beta of one chunk: ([BT] fp32, zero past Tc and where not finite; the first row where it is
+    not finite, int32, BT if none)."""
     o_t = tl.arange(0, BT)
     m_t = o_t < Tc
     b_beta = tl.load(beta + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
@@ -272,7 +332,8 @@ def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
         if ALLOW_NEG_EIGVAL:
             b_beta = 2.0 * b_beta
         b_beta = tl.where(m_t, b_beta, 0.0)
-    return b_beta
+    ok = finite(b_beta)
+    return tl.where(ok, b_beta, 0.0), tl.min(tl.where(ok, BT, o_t), axis=0)
 
 
 @triton.jit

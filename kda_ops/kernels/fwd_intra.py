@@ -41,6 +41,15 @@ Storage, two modes (``lowp``, see IntraOut):
   [B, T, HV, K] (fp16's range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
 reach 2^SPAN, past fp16's range).
+Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is
+not finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not
+finite, or (fwd_wu.py) an element of its v is not finite. Those elements are zeroed at load by selection
+(never multiplied: 0 * NaN = NaN in a dot), so every earlier row's coefficient on them is an exact 0 and
+rows before the chunk's first invalid row f come out as with a finite value there. If f < Tc, rows >= f of
+qg, kd and gam are then overwritten with NaN (common.poison_rows; fwd_wu.py does the same for v): the state pass
+gives o = NaN at rows >= f and a NaN state leaving the chunk, so the rest of the sequence and its final
+state are NaN; the backward's recompute gives NaN for the sequence's gradients up to the chunk. Clean
+chunks only pay the checks (an elementwise test and a reduction per loaded k / gate tile).
 """
 from __future__ import annotations
 
@@ -52,7 +61,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     l2norm_rscale, load_beta, load_gam_block, lowp_dot, tune_size)
+                     finite, first_bad_row, l2norm_rscale, l2norm_rscale_checked, load_beta, load_gam_block, lowp_dot, poison_rows,
+                     tune_size)
 
 @triton.autotune(
     configs=autotune_configs([
@@ -116,18 +126,24 @@ def chunk_kda_fwd_kernel_intra(
         kd += t0 * sg + i_hv * K
 
     # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below)
-    b_beta = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
+    # f_bad: the chunk's first invalid row (see "Non-finite inputs" above), BT if none
+    b_beta, f_bad = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
     b_rq = l2norm_rscale(q, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
-    b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
+    if USE_L2NORM:   # k's non-finite rows found in the l2norm pre-pass, else in the main loop below
+        b_rk, f_k = l2norm_rscale_checked(k, Tc, H, K, BT, BK, L2NORM_EPS)                   # [BT]
+        f_bad = tl.minimum(f_bad, f_k)
+    else:
+        b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)           # [BT]
     if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
         m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
         tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
         tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_gam = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
-                               USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
+        b_gam, f_g = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
+                                    USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
+        f_bad = tl.minimum(f_bad, f_g)
         tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
     tl.debug_barrier()
 
@@ -148,6 +164,10 @@ def chunk_kda_fwd_kernel_intra(
         # [BT, BK]
         b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        ok_k = finite(b_k)
+        if not USE_L2NORM:
+            f_bad = tl.minimum(f_bad, first_bad_row(ok_k, BT))
+        b_k = tl.where(ok_k, b_k, 0.0)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
@@ -195,6 +215,7 @@ def chunk_kda_fwd_kernel_intra(
                     m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
                     # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
                     b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
+                    b_kj = tl.where(finite(b_kj), b_kj, 0.0)
                     b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
                     b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
                     m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
@@ -212,6 +233,9 @@ def chunk_kda_fwd_kernel_intra(
                     # [BT, BK] @ [BK, BT] -> [BT, BT]
                     b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
                     b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+    if f_bad < Tc:   # rare: o rows >= f_bad and the state leaving the chunk become NaN (common.poison_rows)
+        tl.debug_barrier()                                  # after every thread's qg / kd / gam accesses above
+        poison_rows(qg, kd, gam, f_bad, Tc, HV, K, BT, BK, KD_T)
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)

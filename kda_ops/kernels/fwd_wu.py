@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, lowp_dot, tune_size
+from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_bad_row, lowp_dot,
+                     poison_rows, tune_size)
+from .fwd_intra import IntraOut
 
 
 @triton.autotune(
@@ -32,15 +34,20 @@ def chunk_kda_fwd_kernel_wu(
     v, beta_act, Tm, kbg,                    # [B,T,HV,V]; fp32 [B,T,HV]; [B,T,HV,BT], [B,T,HV,K]
     W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (Tm, kbg, W, U bf16 in a bf16 forward,
                                              #   else fp32)
+    qg, kd, gam,                             # the intra stage's, written only for a chunk with a non-finite v
+                                             #   (NaN rows): [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT],
+                                             #   [B,T,HV,K] fp32
     cu_seqlens, chunk_indices, T, N, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr, KD_T: tl.constexpr,
 ):
     """W = Tm kbg and U = Tm diag(beta) v of one (chunk, value head), from chunk_kda_fwd_kernel_intra's Tm and
     kbg: grid (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer
     registers than the Aqk / inverse kernel, so more programs share an SM. In a bf16 forward both are bf16
-    dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3)."""
+    dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3).
+    Non-finite v (fwd_intra.py's note): such elements are zeroed at load, and from the chunk's first such row
+    on, qg, kd and gam get NaN rows (common.poison_rows)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
     t0 = bos + i_c * BT
@@ -61,6 +68,12 @@ def chunk_kda_fwd_kernel_wu(
     W += t0 * sg + i_hv * K
     U += t0 * sv + i_hv * V
     Tm += t0 * sa + i_hv * BT
+    qg += t0 * sg + i_hv * K
+    gam += t0 * sg + i_hv * K
+    if KD_T:
+        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
+    else:
+        kd += t0 * sg + i_hv * K
     b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
     # [BT, BT]
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
@@ -72,29 +85,37 @@ def chunk_kda_fwd_kernel_wu(
         # [BT, BT] @ [BT, BK] -> [BT, BK]
         b_w = tl.dot(b_tm, tl.load(kbg + p_tk, mask=m_tk, other=0.0).to(DOT_DT), input_precision=PREC)
         tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
+    f_bad = tl.full((), BT, tl.int32)              # the chunk's first row with a non-finite v, BT if none
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         # [BT, BV]
         b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        ok_v = finite(b_v)
+        f_bad = tl.minimum(f_bad, first_bad_row(ok_v, BT))
+        b_v = tl.where(ok_v, b_v, 0.0)
         # [BT, BT] @ [BT, BV] -> [BT, BV]
         b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
         tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
+    if f_bad < Tc:   # rare
+        poison_rows(qg, kd, gam, f_bad, Tc, HV, K, BT, BK, KD_T)
 
 
-def chunk_kda_fwd_wu(v: torch.Tensor, beta: torch.Tensor, Tm: torch.Tensor, kbg: torch.Tensor,
+def chunk_kda_fwd_wu(v: torch.Tensor, intra: IntraOut, kbg: torch.Tensor,
                      idx: ChunkIndex) -> Tuple[torch.Tensor, torch.Tensor]:
     """W [B,T,HV,K] and U [B,T,HV,V] in kbg's dtype (bf16 dots when that is bf16) from the intra stage's
-    activated beta [B,T,HV] fp32, Tm [B,T,HV,64] and kbg [B,T,HV,K]; v [B,T,HV,V] the op's input."""
+    activated beta [B,T,HV] fp32, Tm [B,T,HV,64] and kbg [B,T,HV,K] (chunk_kda_fwd_intra's); v [B,T,HV,V]
+    the op's input. Writes NaN rows into intra.qg, intra.kd and intra.gam from a chunk's first non-finite v on."""
+    beta, Tm = intra.beta, intra.Tm
     B, T, HV, V = v.shape
     K = kbg.shape[-1]
     W = torch.empty(B, T, HV, K, dtype=kbg.dtype, device=v.device)
     U = torch.empty(B, T, HV, V, dtype=kbg.dtype, device=v.device)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[(idx.NT_total, HV)](
-        v, beta, Tm, kbg, W, U,
+        v, beta, Tm, kbg, W, U, intra.qg, intra.kd, intra.gam,
         absent(idx.cu_seqlens, v), absent(idx.chunk_indices, v), T, idx.N, HV, tune_size(B * T, HV),
         K=K, V=V, BT=Tm.shape[-1], BV=min(64, triton.next_power_of_2(V)),
         IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
-        LOWP_DOT=kbg.dtype == torch.bfloat16 and lowp_dot(v.dtype),
+        LOWP_DOT=kbg.dtype == torch.bfloat16 and lowp_dot(v.dtype), KD_T=intra.kd_t,
     )
     return W, U
