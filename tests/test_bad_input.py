@@ -35,6 +35,15 @@ def inputs(seed=0, B=B, T=T, dtype=torch.float64, device="cpu", **over):
     return x
 
 
+def same(a, b):
+    """Bitwise on CPU. On CUDA a relative RMS of 1e-6 (float32): Triton compiles a kernel per stride pattern (it
+    specialises unit strides), so a reduction's order may differ; on the H200 the recurrent kernel's outputs
+    for a transposed or V-first state were close to, but not bitwise equal to, those for a contiguous one."""
+    if a.device.type == "cpu":
+        return torch.equal(a, b)
+    return a.shape == b.shape and bool(torch.isfinite(a).all()) and rel_rms(a, b) <= 1e-6
+
+
 def h0(N=B, seed=1, device="cpu"):
     s = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return s.to(device=device, dtype=dtype_of(device))
@@ -54,9 +63,9 @@ def test_any_strides(fn, device):
     for state in (s.transpose(-1, -2).contiguous().transpose(-1, -2), s[:1].expand(B, -1, -1, -1)):
         o, ht = fn(**strided, initial_state=state, **kw)
         o_b, ht_b = fn(**x, initial_state=state.contiguous(), **kw)
-        assert torch.equal(o, o_b) and torch.equal(ht, ht_b)
+        assert same(o, o_b) and same(ht, ht_b)
     o, ht = fn(**strided, initial_state=s, **kw)
-    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    assert same(o, o_ref) and same(ht, ht_ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -68,7 +77,7 @@ def test_state_v_first(fn, device):
     o, ht = fn(**x, initial_state=s, **kw)
     o_v, ht_v = fn(**x, initial_state=s.transpose(-1, -2).contiguous(), state_v_first=True, **kw)
     assert ht_v.shape == (B, HV, V, K)
-    assert torch.equal(o, o_v) and torch.equal(ht, ht_v.transpose(-1, -2))
+    assert same(o, o_v) and same(ht, ht_v.transpose(-1, -2))
     with pytest.raises(ValueError, match=r"state_v_first=True"):
         fn(**x, initial_state=s.transpose(-1, -2).contiguous(), **kw)
 

@@ -348,6 +348,29 @@ def test_full_decay_g_minus_inf(seqlens):
     check_vs_recurrence(inputs, kw, do, dht, x, opts, tol=5e-5)
 
 
+@interpreter_only
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lb"])
+def test_raw_gate_plus_inf(lower_bound):
+    """Raw g = +inf through the in-op gate: with softplus a full reset (the activated gate is -inf, floored),
+    with lower_bound a saturated step (lower_bound sigmoid(inf) = lower_bound). Forward, backward and decode
+    give the recurrence's answer, taken (autograd would form 0 * inf in dA_log) on the same inputs with 1e4 in
+    place of inf: the same forward in float64, and exactly zero gradient through those steps."""
+    c = Case(B=1, T=70, H=1, HV=2, K=16, V=32, in_op=True, lower_bound=lower_bound, dtype=torch.float32,
+             seqlens=[40, 30])
+    inputs, kw = c.make(seed=5)
+    inputs = [t.float() for t in inputs]
+    finite = [t.clone() for t in inputs]
+    for ins, big in ((inputs, float("inf")), (finite, 1e4)):
+        for t in (5, 30, 45, 64):
+            ins[3][0, t, :, :5] = big
+        ins[3][0, 20, 1, :] = big
+    gen = torch.Generator().manual_seed(6)
+    do = torch.randn(1, 70, 2, 32, generator=gen)
+    dht = torch.randn(2, 2, 16, 32, generator=gen)
+    x, opts = bundles(inputs, kw)
+    check_vs_recurrence(finite, kw, do, dht, x, opts, tol=5e-5)
+
+
 # ---- causality of non-finite values inside a chunk ---------------------------------------------------------
 # H = 1, HV = 2 (GVA: key head 0 feeds both value heads). Two sequences; the bad token sits in the second one:
 # "chunk0": T = 40, cu_seqlens [0, 17, 40], token 30 = row 13 of the sequence's only chunk;
@@ -492,4 +515,4 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 3 + 3 + 5 + 10 + 2 + 4 + 2 + 16} passed" in r.stdout, r.stdout[-2000:]
+    assert f"{len(CASES) + 3 + 3 + 5 + 10 + 2 + 2 + 4 + 2 + 16} passed" in r.stdout, r.stdout[-2000:]

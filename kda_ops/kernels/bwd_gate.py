@@ -1,7 +1,8 @@
 """Backward stage 4: dg from dGam (the reverse in-chunk cumsum) and the gate chain rule.
 
 One program per (chunk, value head), after bwd_intra.py (each chunk's dGam rows come from four of its programs):
-dg = reverse cumsum of dGam over the chunk's rows; with the gate in the op, the chain rule through
+dg = reverse cumsum of dGam over the chunk's rows, zero where the forward floored the activated gate at G_MIN
+(a full reset: g = -inf, or a raw gate of +inf through the in-op gate); with the gate in the op, the chain rule through
 ``-exp(A_log) softplus(g + dt_bias)`` or ``lower_bound sigmoid(exp(A_log) (g + dt_bias))``, and per-program
 partial sums for dA_log / ddt_bias (reduced by the launcher: no atomics).
 """
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import BT, ChunkIndex, absent, chunk_bounds
+from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds
 
 
 @triton.jit
@@ -52,27 +53,31 @@ def chunk_kda_bwd_kernel_gate(
         p_tk = o_t[:, None] * sg + o_k[None, :]
         # [BT, BK] dg = reverse cumsum of dGam inside the chunk
         b_dg = tl.cumsum(tl.load(dgam + p_tk, mask=m_tk, other=0.0), 0, reverse=True)
+        b_x = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32)
         if USE_GATE:
-            b_xg = tl.load(g_raw + p_tk, mask=m_tk, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                b_xg += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+                b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
             if USE_LOWER_BOUND:
                 lb = tl.cast(lower_bound, tl.float32)
-                b_ax = b_a * b_xg
+                b_ax = b_a * b_x
                 b_s = tl.sigmoid(b_ax)
+                b_dg = tl.where(lb * b_s < G_MIN, 0.0, b_dg)          # the forward's floor: no gradient
                 b_dax = b_dg * lb * b_s * (1.0 - b_s)
                 b_dx = b_dax * b_a
-                b_dalog += tl.sum(tl.where(m_tk, b_dax * b_ax, 0.0), 0)
+                b_dalog += tl.sum(tl.where(m_tk & (b_dax != 0.0), b_dax * b_ax, 0.0), 0)
             else:
                 # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
-                b_sp = tl.maximum(b_xg, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_xg)))
-                b_dx = -b_a * tl.sigmoid(b_xg) * b_dg
-                b_dalog += tl.sum(tl.where(m_tk, -b_a * b_sp * b_dg, 0.0), 0)
+                b_gact = -b_a * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
+                b_dg = tl.where(b_gact < G_MIN, 0.0, b_dg)             # the forward's floor: no gradient
+                b_dx = -b_a * tl.sigmoid(b_x) * b_dg
+                # a zero dg wins over an infinite gate (raw g = +inf, a full reset): selection, not 0 * inf
+                b_dalog += tl.sum(tl.where(m_tk & (b_dg != 0.0), b_gact * b_dg, 0.0), 0)
             b_dx = tl.where(m_tk, b_dx, 0.0)
             tl.store(dg + p_tk, b_dx.to(dg.dtype.element_ty), mask=m_tk)
             if HAS_BIAS:
                 tl.store(ddt_bias_p + (i_t * HV + i_hv) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
         else:
+            b_dg = tl.where(b_x < G_MIN, 0.0, b_dg)                    # the forward's floor: no gradient
             tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
     if USE_GATE:
         if HAS_ALOG:
