@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from ..options import KDAInputs, KDAOptions

@@ -201,6 +201,16 @@ G_MIN = tl.constexpr(-128.0)
 
 
 @triton.jit
+def kd_chunk(kd, i_t, t0, i_hv, HV, K: tl.constexpr, BT: tl.constexpr, KD_T: tl.constexpr):
+    """kd at one (chunk i_t, value head): its [K, BT] block of kd^T (KD_T: [NT_total, HV, K, BT]) or its first
+    token row (token-major [B, T, HV, K], row stride HV * K)."""
+    if KD_T:
+        return kd + (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
+    else:
+        return kd + t0 * (HV * K) + i_hv * K
+
+
+@triton.jit
 def finite(x):
     """Elementwise: x is neither NaN nor +-inf (a comparison, so a NaN gives False)."""
     return tl.abs(x) < float("inf")

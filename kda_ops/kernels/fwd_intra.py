@@ -61,8 +61,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, first_bad_row, l2norm_rscale, l2norm_rscale_checked, load_beta, load_gam_block, lowp_dot, poison_rows,
-                     tune_size)
+                     finite, first_bad_row, kd_chunk, l2norm_rscale, l2norm_rscale_checked, load_beta, load_gam_block,
+                     lowp_dot, poison_rows, tune_size)
 
 @triton.autotune(
     configs=autotune_configs([
@@ -120,10 +120,7 @@ def chunk_kda_fwd_kernel_intra(
     scr += t0 * sa + i_hv * BT
     qg += t0 * sg + i_hv * K
     kbg += t0 * sg + i_hv * K
-    if KD_T:
-        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
-    else:
-        kd += t0 * sg + i_hv * K
+    kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
 
     # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below)
     # f_bad: the chunk's first invalid row (see "Non-finite inputs" above), BT if none

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_bad_row, lowp_dot,
-                     poison_rows, tune_size)
+from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_bad_row,
+                     kd_chunk, lowp_dot, poison_rows, tune_size)
 from .fwd_intra import IntraOut
 
 
@@ -70,10 +70,7 @@ def chunk_kda_fwd_kernel_wu(
     Tm += t0 * sa + i_hv * BT
     qg += t0 * sg + i_hv * K
     gam += t0 * sg + i_hv * K
-    if KD_T:
-        kd += (i_t.to(tl.int64) * HV + i_hv) * (K * BT)
-    else:
-        kd += t0 * sg + i_hv * K
+    kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
     b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
     # [BT, BT]
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
