@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds
+from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds, softplus
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def chunk_kda_bwd_kernel_gate(
                 b_dalog += tl.sum(tl.where(m_tk & (b_dax != 0.0), b_dax * b_ax, 0.0), 0)
             else:
                 # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
-                b_gact = -b_a * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
+                b_gact = -b_a * softplus(b_x)
                 b_dg = tl.where(b_gact < G_MIN, 0.0, b_dg)             # the forward's floor: no gradient
                 b_dx = -b_a * tl.sigmoid(b_x) * b_dg
                 # a zero dg wins over an infinite gate (raw g = +inf, a full reset): selection, not 0 * inf

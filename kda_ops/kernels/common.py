@@ -247,41 +247,28 @@ def poison_rows(qg, kd, gam, f, Tc, HV, K: tl.constexpr, BT: tl.constexpr, BK: t
 
 
 @triton.jit
-def l2norm_rscale(x, i_h, t0, Tc, H, K: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, USE_L2NORM: tl.constexpr, EPS: tl.constexpr):
-    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps): [BT] fp32 (ones without l2norm)."""
+def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
+                  EPS: tl.constexpr, CHECK: tl.constexpr):
+    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), of one chunk (x at its first row and head):
+    ([BT] fp32, ones without l2norm; the first row with a non-finite element, int32, BT if none or not CHECK).
+    CHECK (k): non-finite elements count as 0, so an invalid row's factor stays finite."""
     o_t = tl.arange(0, BT)
+    f_bad = tl.full((), BT, tl.int32)
     if USE_L2NORM:
         b_ss = tl.zeros([BT], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             # [BT, BK]
-            b_x = tl.load(x + (t0 + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :],
+            b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
                           mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
+            if CHECK:
+                ok = finite(b_x)
+                f_bad = tl.minimum(f_bad, first_bad_row(ok, BT))
+                b_x = tl.where(ok, b_x, 0.0)
             b_ss += tl.sum(b_x * b_x, axis=1)
-        return tl.rsqrt(b_ss + EPS)
+        return tl.rsqrt(b_ss + EPS), f_bad
     else:
-        return tl.full([BT], 1.0, dtype=tl.float32)
-
-
-@triton.jit
-def l2norm_rscale_checked(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
-    """l2norm_rscale of k (pointer at the chunk's first row and the key head) with non-finite elements counted
-    as 0, so an invalid row's factor stays finite; returns ([BT] factors, the first row with a non-finite
-    element (int32, BT if none))."""
-    o_t = tl.arange(0, BT)
-    b_ss = tl.zeros([BT], dtype=tl.float32)
-    f_bad = tl.full((), BT, tl.int32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        # [BT, BK]
-        b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
-                      mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
-        ok = finite(b_x)
-        f_bad = tl.minimum(f_bad, first_bad_row(ok, BT))
-        b_x = tl.where(ok, b_x, 0.0)
-        b_ss += tl.sum(b_x * b_x, axis=1)
-    return tl.rsqrt(b_ss + EPS), f_bad
+        return tl.full([BT], 1.0, dtype=tl.float32), f_bad
 
 
 @triton.jit

@@ -61,8 +61,9 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, first_bad_row, kd_chunk, l2norm_rscale, l2norm_rscale_checked, load_beta, load_gam_block,
+                     finite, first_bad_row, kd_chunk, l2norm_rscale, load_beta, load_gam_block,
                      lowp_dot, poison_rows, tune_size)
+
 
 @triton.autotune(
     configs=autotune_configs([
@@ -126,12 +127,10 @@ def chunk_kda_fwd_kernel_intra(
     # f_bad: the chunk's first invalid row (see "Non-finite inputs" above), BT if none
     b_beta, f_bad = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
-    b_rq = l2norm_rscale(q, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)                # [BT]
-    if USE_L2NORM:   # k's non-finite rows found in the l2norm pre-pass, else in the main loop below
-        b_rk, f_k = l2norm_rscale_checked(k, Tc, H, K, BT, BK, L2NORM_EPS)                   # [BT]
-        f_bad = tl.minimum(f_bad, f_k)
-    else:
-        b_rk = l2norm_rscale(k, 0, 0, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS)           # [BT]
+    b_rq, _ = l2norm_rscale(q, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, False)              # [BT]
+    # k's non-finite rows: found here with l2norm (a pass over k anyway), else in the main loop below
+    b_rk, f_k = l2norm_rscale(k, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, True)             # [BT]
+    f_bad = tl.minimum(f_bad, f_k)
     if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
         m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
         tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
