@@ -76,3 +76,30 @@ def test_launch_arguments_do_not_alias():
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     print(json.dumps(record_launches()))
+
+
+def test_lengths_are_not_specialised():
+    """Every kernel leaves its length-like integer arguments (kernels.common.LENGTH_ARGS) unspecialised, so a call
+    at a new sequence length reuses the compiled kernels (Triton specialises an int on == 1 and % 16 == 0)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import kda_ops.kernels as pkg
+    from kda_ops.kernels.common import LENGTH_ARGS
+
+    kernels = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"kda_ops.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            fn = obj
+            while hasattr(fn, "fn") and not isinstance(fn, JITFunction):     # autotune / heuristics wrappers
+                fn = fn.fn
+            if isinstance(fn, JITFunction) and "kernel" in name and fn.fn.__module__ == mod.__name__:
+                kernels[f"{info.name}.{name}"] = fn
+    assert len(kernels) == 10, sorted(kernels)
+    for name, fn in kernels.items():
+        lengths = [a for a in fn.arg_names if a in LENGTH_ARGS]
+        assert lengths, name
+        assert set(lengths) <= set(fn.do_not_specialize), (name, lengths, fn.do_not_specialize)

@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds, softplus
+from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds, length_jit, softplus
 
 
-@triton.jit
+@length_jit
 def chunk_kda_bwd_kernel_gate(
     dgam, g_raw, A_log, dt_bias,               # inputs (dgam: dGam from chunk_kda_bwd_kernel_intra)
     dg, dA_log_p, ddt_bias_p,                  # outputs

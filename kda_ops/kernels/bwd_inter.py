@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, load_rows, lowp_dot,
-                     tune_size)
+from .common import (BT, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, length_jit, load_rows,
+                     lowp_dot, tune_size)
 
 
 @triton.autotune(
@@ -47,7 +47,7 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, chunk_bounds, dot
     key=["K", "V", "PREC", "TUNE_SIZE"],
     reset_to_zero=["dbeta"],
 )
-@triton.jit
+@length_jit
 def chunk_kda_bwd_kernel_inter(
     q, k, rq, rk, v, gam, beta, Tm, h, vn, do, dh, dvn,         # inputs
     dq, dk, dgam, dv, dAqk, dM, dbeta,                          # outputs (dbeta: zeroed, accumulated)

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, load_rows,
-                     tune_size)
+from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, chunk_bounds, dot_precision, length_jit,
+                     load_rows, tune_size)
 
 
 @triton.autotune(
@@ -57,7 +57,7 @@ from .common import (BC, BT, SPAN, ChunkIndex, absent, autotune_configs, chunk_b
     key=["K", "PREC", "TUNE_SIZE"],
     restore_value=["dq", "dk", "dgam"],
 )
-@triton.jit
+@length_jit
 def chunk_kda_bwd_kernel_intra(
     q, k, rq, rk, gam, beta, dAqk, dM, beta_raw,  # inputs
     dq, dk, dgam, dbeta_p,                     # stage-2 terms: dq, dk completed in place, dgam replaced by dGam

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import L2NORM_EPS
+from .common import L2NORM_EPS, length_jit
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def gva_l2norm_bwd(dx_hv, x, dx, o_t, m_t, i_h, H: tl.constexpr, HV: tl.constexp
     tl.store(dx + p_x, b_dy.to(dx.dtype.element_ty), mask=m_tk)
 
 
-@triton.jit
+@length_jit
 def chunk_kda_bwd_kernel_qk(
     dq_hv, dk_hv, q, k,     # inputs: fp32 [B*T, HV, K] gradients, raw q/k [B*T, H, K]
     dq, dk,                 # outputs [B*T, H, K]

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, lowp_dot, seq_bounds, state_strides,
-                     tune_size)
+from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, length_jit, lowp_dot, seq_bounds,
+                     state_strides, tune_size)
 
 
 @triton.autotune(
@@ -36,7 +36,7 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, lo
     ]),
     key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
 )
-@triton.jit
+@length_jit
 def chunk_kda_bwd_kernel_state(
     qg, kd, W, gam, Aqk, do,                 # [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K],
                                              #   [B,T,HV,K] fp32, [B,T,HV,BT], [B,T,HV,V]

@@ -102,7 +102,18 @@ def chunk_index(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkInde
     return ChunkIndex(N, NT_total, cu_safe, chunk_indices, starts.to(torch.int32).contiguous())
 
 
-@triton.jit
+LENGTH_ARGS = ("T", "N", "TUNE_SIZE", "n_tokens", "row")
+
+
+def length_jit(fn):
+    """triton.jit for a kernel, with its length-like integer arguments (those of LENGTH_ARGS it has) not
+    specialised: Triton otherwise compiles a kernel per class (== 1, divisible by 16, other) of every integer
+    argument, so a call at a new sequence length could compile the whole pipeline again."""
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return triton.jit(do_not_specialize=[n for n in LENGTH_ARGS if n in names])(fn)
+
+
+@length_jit
 def zero_uncovered_kernel(x, cu_seqlens, T, N, row, BR: tl.constexpr, BC: tl.constexpr):
     """Zeros the token rows of x [T, row] that no sequence covers: t < cu_seqlens[0] or t >= cu_seqlens[N]
     (cu_seqlens sanitised: non-decreasing, so these are exactly the uncovered rows). Grid (cdiv(T, BR),);

@@ -61,7 +61,7 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, first_bad_row, kd_chunk, l2norm_rscale, load_beta, load_gam_block,
+                     finite, first_bad_row, kd_chunk, l2norm_rscale, length_jit, load_beta, load_gam_block,
                      lowp_dot, poison_rows, tune_size)
 
 
@@ -73,7 +73,7 @@ from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_conf
     ]),
     key=["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE"],
 )
-@triton.jit
+@length_jit
 def chunk_kda_fwd_kernel_intra(
     q, k, g, beta, A_log, dt_bias,           # [B,T,H,K] x2, [B,T,HV,K], [B,T,HV], [HV], [HV*K]
     gam, beta_act, Aqk, Tm, scr,             # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x3 (fp32; Aqk, Tm bf16 in a

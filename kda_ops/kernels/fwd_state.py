@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, INTERPRET, ChunkIndex, absent, autotune_configs, dot_precision, seq_bounds, state_strides,
-                     tune_size)
+from .common import (BT, ChunkIndex, INTERPRET, absent, autotune_configs, dot_precision, length_jit, seq_bounds,
+                     state_strides, tune_size)
 
 
 @triton.autotune(
@@ -49,7 +49,7 @@ from .common import (BT, INTERPRET, ChunkIndex, absent, autotune_configs, dot_pr
     ]),
     key=["K", "V", "STORE_O", "STORE_H", "PREC", "KD_T", "TUNE_SIZE"],
 )
-@triton.jit
+@length_jit
 def chunk_kda_fwd_kernel_state(
     W, U, kd, qg, Aqk, gam,                  # from intra: [B,T,HV,K], [B,T,HV,V], [B,T,HV,K] or (KD_T)
                                              #   [NT_total,HV,K,BT], [B,T,HV,K], [B,T,HV,BT], [B,T,HV,K] fp32

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_bad_row,
-                     kd_chunk, lowp_dot, poison_rows, tune_size)
+from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_bad_row, kd_chunk,
+                     length_jit, lowp_dot, poison_rows, tune_size)
 from .fwd_intra import IntraOut
 
 
@@ -29,7 +29,7 @@ from .fwd_intra import IntraOut
     ]),
     key=["K", "V", "PREC", "TUNE_SIZE"],
 )
-@triton.jit
+@length_jit
 def chunk_kda_fwd_kernel_wu(
     v, beta_act, Tm, kbg,                    # [B,T,HV,V]; fp32 [B,T,HV]; [B,T,HV,BT], [B,T,HV,K]
     W, U,                                    # out: [B,T,HV,K], [B,T,HV,V] (Tm, kbg, W, U bf16 in a bf16 forward,

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import L2NORM_EPS, absent, autotune_configs, sanitize_cu_seqlens, seq_bounds, softplus, state_strides
+from .common import (L2NORM_EPS, absent, autotune_configs, length_jit, sanitize_cu_seqlens, seq_bounds, softplus,
+                     state_strides)
 
 @triton.autotune(
     configs=autotune_configs([
@@ -41,7 +42,7 @@ from .common import L2NORM_EPS, absent, autotune_configs, sanitize_cu_seqlens, s
     key=["K", "V", "H", "HV"],
 )
 @triton.heuristics({"BK": lambda args: triton.next_power_of_2(args["K"])})
-@triton.jit
+@length_jit
 def recurrent_kda_fwd_kernel(
     q, k, v, g, beta,                        # [B, T, H, K] x2, [B, T, HV, V], [B, T, HV, K], [B, T, HV]
     A_log, dt_bias,                          # [HV], [HV * K] fp32 (dummies when absent)
