@@ -31,6 +31,7 @@ def case(B, T, H, HV, D, dht=True, dtype=bf16, **kw):
 
 CASES = [
     case(1, 1, 4, 4, 64, in_op=True),
+    case(1, 1, 4, 4, 128, in_op=True),   # T = 1 at K = V = 128: the bwd_state build that faulted when T was specialised
     case(2, 63, 4, 4, 64, in_op=True),
     case(2, 64, 2, 8, 100, in_op=True, lower_bound=-5.0, initial_state=False),
     case(1, 500, 4, 4, 128, in_op=True, allow_neg_eigval=True),

@@ -228,10 +228,16 @@ def finite(x):
 
 
 @triton.jit
-def first_bad_row(ok, BT: tl.constexpr):
-    """First row i of ok [BT, N] with a False, BT if none: int32 scalar (rows of invalid inputs, see
-    chunk_kda_fwd_kernel_intra's note on non-finite inputs)."""
-    return tl.min(tl.min(tl.where(ok, BT, tl.arange(0, BT)[:, None]), axis=1), axis=0)
+def rows_bad(ok):
+    """[BT] per row of ok [BT, N]: whether the row has a False (an axis-1 reduction: no cross-warp step)."""
+    return tl.max(tl.where(ok, 0, 1), axis=1) > 0
+
+
+@triton.jit
+def first_row(bad, BT: tl.constexpr):
+    """First row i with bad[i] of bad [BT], BT if none: int32 scalar (the one cross-warp reduction of the
+    checks for invalid inputs, see chunk_kda_fwd_kernel_intra's note on non-finite inputs)."""
+    return tl.min(tl.where(bad, tl.arange(0, BT), BT), axis=0)
 
 
 @triton.jit
@@ -261,10 +267,10 @@ def poison_rows(qg, kd, gam, f, Tc, HV, K: tl.constexpr, BT: tl.constexpr, BK: t
 def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
                   EPS: tl.constexpr, CHECK: tl.constexpr):
     """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), of one chunk (x at its first row and head):
-    ([BT] fp32, ones without l2norm; the first row with a non-finite element, int32, BT if none or not CHECK).
-    CHECK (k): non-finite elements count as 0, so an invalid row's factor stays finite."""
+    ([BT] fp32, ones without l2norm; [BT] whether the row has a non-finite element, all False without
+    l2norm or CHECK). CHECK (k): such a row's sum of squares is made NaN (selection) and its factor 0; a
+    finite sum that overflows to inf is not flagged (its factor is 0, as in the reference)."""
     o_t = tl.arange(0, BT)
-    f_bad = tl.full((), BT, tl.int32)
     if USE_L2NORM:
         b_ss = tl.zeros([BT], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
@@ -273,13 +279,13 @@ def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
             b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
                           mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
             if CHECK:
-                ok = finite(b_x)
-                f_bad = tl.minimum(f_bad, first_bad_row(ok, BT))
-                b_x = tl.where(ok, b_x, 0.0)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        return tl.rsqrt(b_ss + EPS), f_bad
+                b_ss += tl.sum(tl.where(finite(b_x), b_x * b_x, float("nan")), axis=1)
+            else:
+                b_ss += tl.sum(b_x * b_x, axis=1)
+        bad = b_ss != b_ss
+        return tl.where(bad, 0.0, tl.rsqrt(b_ss + EPS)), bad
     else:
-        return tl.full([BT], 1.0, dtype=tl.float32), f_bad
+        return tl.full([BT], 1.0, dtype=tl.float32), o_t < 0
 
 
 @triton.jit
@@ -293,8 +299,8 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
                    HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                    HAS_LOWER_BOUND: tl.constexpr):
-    """Loads the gate of one chunk and K-block, activates it, returns (gam [BT, BK] fp32 (log2 units), the
-    first row whose activated gate is NaN or +inf in this K-block (int32, BT if none)).
+    """Loads the gate of one chunk and K-block, activates it, returns (gam [BT, BK] fp32 (log2 units), [BT]
+    whether the row's activated gate is NaN or +inf somewhere in this K-block).
 
     Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
     so do invalid rows (selection), so that gam stays finite.
@@ -324,14 +330,14 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
     # the cumsum finite (g = -inf would make gam_i - gam_j = -inf + inf = NaN) and well conditioned
     ok = b_g < float("inf")
     b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
-    return tl.cumsum(b_g, axis=0) * 1.4426950408889634, first_bad_row(ok, BT)
+    return tl.cumsum(b_g, axis=0) * 1.4426950408889634, rows_bad(ok)
 
 
 @triton.jit
 def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
               USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr):
-    """Activated beta of one chunk: ([BT] fp32, zero past Tc and where not finite; the first row where it is
-    not finite, int32, BT if none)."""
+    """Activated beta of one chunk: ([BT] fp32, zero past Tc and where not finite; [BT] where it is not
+    finite)."""
     o_t = tl.arange(0, BT)
     m_t = o_t < Tc
     b_beta = tl.load(beta + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
@@ -341,7 +347,7 @@ def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
             b_beta = 2.0 * b_beta
         b_beta = tl.where(m_t, b_beta, 0.0)
     ok = finite(b_beta)
-    return tl.where(ok, b_beta, 0.0), tl.min(tl.where(ok, BT, o_t), axis=0)
+    return tl.where(ok, b_beta, 0.0), ~ok
 
 
 @triton.jit

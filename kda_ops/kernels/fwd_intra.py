@@ -49,7 +49,8 @@ rows before the chunk's first invalid row f come out as with a finite value ther
 qg, kd and gam are then overwritten with NaN (common.poison_rows; fwd_wu.py does the same for v): the state pass
 gives o = NaN at rows >= f and a NaN state leaving the chunk, so the rest of the sequence and its final
 state are NaN; the backward's recompute gives NaN for the sequence's gradients up to the chunk. Clean
-chunks only pay the checks (an elementwise test and a reduction per loaded k / gate tile).
+chunks pay the checks: an elementwise test per loaded k / gate tile, a row reduction per gate tile (k's rides
+on l2norm's sum of squares) and one reduction to the first invalid row.
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, first_bad_row, kd_chunk, l2norm_rscale, length_jit, load_beta, load_gam_block,
-                     lowp_dot, poison_rows, tune_size)
+                     finite, first_row, kd_chunk, l2norm_rscale, length_jit, load_beta, load_gam_block,
+                     lowp_dot, poison_rows, rows_bad, tune_size)
 
 
 @triton.autotune(
@@ -124,22 +125,22 @@ def chunk_kda_fwd_kernel_intra(
     kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
 
     # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below)
-    # f_bad: the chunk's first invalid row (see "Non-finite inputs" above), BT if none
-    b_beta, f_bad = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
+    # bad [BT]: the chunk's invalid rows (see "Non-finite inputs" above), reduced to the first one at the end
+    b_beta, bad = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
     b_rq, _ = l2norm_rscale(q, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, False)              # [BT]
     # k's non-finite rows: found here with l2norm (a pass over k anyway), else in the main loop below
-    b_rk, f_k = l2norm_rscale(k, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, True)             # [BT]
-    f_bad = tl.minimum(f_bad, f_k)
+    b_rk, bad_k = l2norm_rscale(k, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, True)           # [BT]
+    bad = bad | bad_k
     if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
         m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
         tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
         tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_gam, f_g = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
+        b_gam, bad_g = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
                                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
-        f_bad = tl.minimum(f_bad, f_g)
+        bad = bad | bad_g
         tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
     tl.debug_barrier()
 
@@ -162,7 +163,7 @@ def chunk_kda_fwd_kernel_intra(
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         ok_k = finite(b_k)
         if not USE_L2NORM:
-            f_bad = tl.minimum(f_bad, first_bad_row(ok_k, BT))
+            bad = bad | rows_bad(ok_k)
         b_k = tl.where(ok_k, b_k, 0.0)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
@@ -229,6 +230,7 @@ def chunk_kda_fwd_kernel_intra(
                     # [BT, BK] @ [BK, BT] -> [BT, BT]
                     b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
                     b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+    f_bad = first_row(bad, BT)
     if f_bad < Tc:   # rare: o rows >= f_bad and the state leaving the chunk become NaN (common.poison_rows)
         tl.debug_barrier()                                  # after every thread's qg / kd / gam accesses above
         poison_rows(qg, kd, gam, f_bad, Tc, HV, K, BT, BK, KD_T)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_bad_row, kd_chunk,
-                     length_jit, lowp_dot, poison_rows, tune_size)
+from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_row, kd_chunk,
+                     length_jit, lowp_dot, poison_rows, rows_bad, tune_size)
 from .fwd_intra import IntraOut
 
 
@@ -82,18 +82,19 @@ def chunk_kda_fwd_kernel_wu(
         # [BT, BT] @ [BT, BK] -> [BT, BK]
         b_w = tl.dot(b_tm, tl.load(kbg + p_tk, mask=m_tk, other=0.0).to(DOT_DT), input_precision=PREC)
         tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
-    f_bad = tl.full((), BT, tl.int32)              # the chunk's first row with a non-finite v, BT if none
+    bad = o_t < 0                                  # [BT] the chunk's rows with a non-finite v
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         # [BT, BV]
         b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         ok_v = finite(b_v)
-        f_bad = tl.minimum(f_bad, first_bad_row(ok_v, BT))
+        bad = bad | rows_bad(ok_v)
         b_v = tl.where(ok_v, b_v, 0.0)
         # [BT, BT] @ [BT, BV] -> [BT, BV]
         b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
         tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
+    f_bad = first_row(bad, BT)
     if f_bad < Tc:   # rare
         poison_rows(qg, kd, gam, f_bad, Tc, HV, K, BT, BK, KD_T)
 
