@@ -229,13 +229,13 @@ def finite(x):
 
 @triton.jit
 def rows_bad(ok):
-    """[BT] per row of ok [BT, N]: whether the row has a False (an axis-1 reduction: no cross-warp step)."""
+    """[BT] per row of ok [BT, N]: whether the row has a False (a reduction along each row only)."""
     return tl.max(tl.where(ok, 0, 1), axis=1) > 0
 
 
 @triton.jit
 def first_row(bad, BT: tl.constexpr):
-    """First row i with bad[i] of bad [BT], BT if none: int32 scalar (the one cross-warp reduction of the
+    """First row i with bad[i] of bad [BT], BT if none: int32 scalar (the one whole-chunk reduction of the
     checks for invalid inputs, see chunk_kda_fwd_kernel_intra's note on non-finite inputs)."""
     return tl.min(tl.where(bad, tl.arange(0, BT), BT), axis=0)
 
@@ -269,7 +269,7 @@ def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), of one chunk (x at its first row and head):
     ([BT] fp32, ones without l2norm; [BT] whether the row has a non-finite element, all False without
     l2norm or CHECK). CHECK (k): such a row's sum of squares is made NaN (selection) and its factor 0; a
-    finite sum that overflows to inf is not flagged (its factor is 0, as in the reference)."""
+    sum of finite elements that overflows to inf is not flagged."""
     o_t = tl.arange(0, BT)
     if USE_L2NORM:
         b_ss = tl.zeros([BT], dtype=tl.float32)
