@@ -45,6 +45,9 @@ CASES = [
     # gate with lower_bound and neither A_log nor dt_bias
     (Case(B=1, T=37, H=1, HV=2, K=16, V=16, in_op=True, lower_bound=-3.0, dtype=torch.float32),
      dict(A_log=None, dt_bias=None)),
+    # strong unsafe gate (A = 10 .. 16: several nats per step): the intra stage's exact path on every K-block
+    (Case(B=1, T=83, H=1, HV=2, K=20, V=12, in_op=True, a_log_range=(2.3, 2.8), dtype=torch.float32), {}),
+    (Case(B=1, T=83, H=1, HV=1, K=20, V=20, in_op=True, a_log_range=(2.3, 2.8), dtype=torch.bfloat16), {}),
     # unsafe gate without dt_bias
     (Case(B=1, T=70, H=1, HV=1, K=16, V=16, in_op=True, dtype=torch.float32), dict(dt_bias=None)),
 ]

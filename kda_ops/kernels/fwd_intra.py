@@ -150,10 +150,13 @@ def chunk_kda_fwd_kernel_intra(
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i): the off-diagonal
     # blocks accumulate in the dot layout, the diagonal blocks in their own tiles (no per-step layout
     # conversion of a [BT, BT] accumulator); summed once after the K loop
+    # the exact path's diagonal blocks accumulate compactly: [BT, BC], column c of row i is the pair
+    # (i, o_j(i) + c); spread into [BT, BT] once after the K loop (only when a K-block took that path)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk_d = tl.zeros([BT, BT], dtype=tl.float32)
-    b_akk_d = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk_d = tl.zeros([BT, BC], dtype=tl.float32)
+    b_akk_d = tl.zeros([BT, BC], dtype=tl.float32)
+    n_exact = 0
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -207,17 +210,18 @@ def chunk_kda_fwd_kernel_intra(
                     b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
             else:
                 # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
+                n_exact += 1
                 for jj in range(BC):
                     o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
                     m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
-                    # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked below)
+                    # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked after)
                     b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
                     b_kj = tl.where(finite(b_kj), b_kj, 0.0)
                     b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
                     b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
-                    m_col = o_t[None, :] == o_jj[:, None]       # [BT, BT] the entry (i, j(i))
-                    b_aqk_d += tl.where(m_col & (o_t >= o_jj)[:, None], tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
-                    b_akk_d += tl.where(m_col & (o_t > o_jj)[:, None], tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
+                    m_col = o_c[None, :] == jj                  # [1, BC] the entry (i, j(i))
+                    b_aqk_d += tl.where(m_col, tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
+                    b_akk_d += tl.where(m_col, tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
                 # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_{16 r}
                 for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
                     r0 = (i_r + 1) * BC
@@ -237,9 +241,14 @@ def chunk_kda_fwd_kernel_intra(
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
+        if n_exact > 0:
+            # [BT, BC] -> the diagonal blocks of [BT, BT] (j = o_j(i) + c, causal: c <= i mod BC)
+            o_i = (o_t % BC)[:, None]
+            b_aqk += spread_diag(tl.where(o_c[None, :] <= o_i, b_aqk_d, 0.0), BT, BC)
+            b_akk += spread_diag(tl.where(o_c[None, :] < o_i, b_akk_d, 0.0), BT, BC)
         # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
-        b_aqk = (b_aqk + b_aqk_d) * (f_scale * b_rq)[:, None] * b_rk[None, :]
-        b_akk = (b_akk + b_akk_d) * (b_beta * b_rk)[:, None] * b_rk[None, :]
+        b_aqk = b_aqk * (f_scale * b_rq)[:, None] * b_rk[None, :]
+        b_akk = b_akk * (b_beta * b_rk)[:, None] * b_rk[None, :]
         p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
         tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
         tl.store(scr + p_a, b_akk, mask=m_t[:, None])
@@ -274,6 +283,14 @@ def chunk_kda_fwd_kernel_intra(
         for _ in range(BT // BC - 1):
             b_tm = b_dd - tl.dot(b_m, b_tm, input_precision=PREC)
         tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def spread_diag(x, BT: tl.constexpr, BC: tl.constexpr):
+    """[BT, BC] -> [BT, BT]: row i's BC values into the columns of its diagonal BC x BC block (zeros elsewhere)."""
+    o_b = tl.arange(0, BT // BC)
+    blk = (tl.arange(0, BT) // BC)[:, None, None] == o_b[None, :, None]        # [BT, NB, 1]
+    return tl.reshape(tl.where(blk, x[:, None, :], 0.0), [BT, BT])
 
 
 class IntraOut(NamedTuple):
