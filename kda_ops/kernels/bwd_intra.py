@@ -181,12 +181,12 @@ def chunk_kda_bwd_kernel_intra(
                 b_put = tl.load(dAqk + o_u * sa + o_i, mask=m_u & (o_u >= o_i), other=0.0)
                 b_mut = tl.load(dM + o_u * sa + o_i, mask=m_u & (o_u > o_i), other=0.0)
                 b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
-                # [BC, BK] e(t, u) = exp2(gam_t - gam_u) and e(u, t), each clamped at <= 0 (<= 1 where used)
-                b_etu = tl.exp2(tl.minimum(b_d, 0.0))
-                b_eut = tl.exp2(tl.minimum(-b_d, 0.0))
-                b_dqa += b_ptu[:, None] * b_ku * b_etu
-                b_x += b_mtu[:, None] * b_ku * b_etu
-                b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_eut
+                # [BC, BK] e(t, u) = exp2(gam_t - gam_u) where u <= t and e(u, t) where u >= t: both are
+                # exp2(-|gam_t - gam_u|) there (gam does not increase), one exp2 for the two (<= 1)
+                b_e = tl.exp2(-tl.abs(b_d))
+                b_dqa += b_ptu[:, None] * b_ku * b_e
+                b_x += b_mtu[:, None] * b_ku * b_e
+                b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_e
 
         # [BC, BK] combine with the stage-2 terms of block r's rows
         b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
