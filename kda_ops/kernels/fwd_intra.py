@@ -21,9 +21,11 @@ Per K-block, one of two paths, chosen in the kernel from the data (no host sync)
 * fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's 16-row block): each row
   block r is one tensor-core dot against all columns j < 16 (r + 1), factored around its middle row:
   (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); entries above the diagonal are masked after;
-* exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the diagonal 16x16 blocks
-  per token pair (a loop over the 16 columns of the block, all four blocks at once), the off-diagonal
-  blocks by dots factored around the first row of the row block (both factors <= 1).
+* exact (a block spans more than SPAN, e.g. strong decay without lower_bound): a binary split of the chunk
+  (split_level). At level S = 2, 4, .., 64 each S-row segment pairs the rows of its second half with the
+  columns of its first half in one dot per operand, factored around the segment's middle row (both factors
+  <= 1 for any decay); the levels together cover every pair j < i, and the diagonal i == j (decay 1) is added
+  from a row sum. Six levels, no per-pair loop: a K-block costs 6 exp2 tiles and 12 dots.
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
@@ -150,13 +152,8 @@ def chunk_kda_fwd_kernel_intra(
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i): the off-diagonal
     # blocks accumulate in the dot layout, the diagonal blocks in their own tiles (no per-step layout
     # conversion of a [BT, BT] accumulator); summed once after the K loop
-    # the exact path's diagonal blocks accumulate compactly: [BT, BC], column c of row i is the pair
-    # (i, o_j(i) + c); spread into [BT, BT] once after the K loop (only when a K-block took that path)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk_d = tl.zeros([BT, BC], dtype=tl.float32)
-    b_akk_d = tl.zeros([BT, BC], dtype=tl.float32)
-    n_exact = 0
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -209,31 +206,13 @@ def chunk_kda_fwd_kernel_intra(
                     b_aqk += tl.dot(tl.where(m_r[:, None], b_qe, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
                     b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
             else:
-                # diagonal blocks, exact per pair: all four blocks at once, column jj of each block per step
-                n_exact += 1
-                for jj in range(BC):
-                    o_jj = o_j + jj                             # [BT] column j(i) in row i's diagonal block
-                    m_jk = (o_jj < Tc)[:, None] & m_k[None, :]
-                    # [BT, BK] k_j(i) exp2(gam_i - gam_j(i)) (rows i < j(i) are clamped here, masked after)
-                    b_kj = tl.load(k + o_jj[:, None] * sq + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
-                    b_kj = tl.where(finite(b_kj), b_kj, 0.0)
-                    b_gj = tl.load(gam + o_jj[:, None] * sg + o_k[None, :], mask=m_jk, other=0.0)
-                    b_kj = b_kj * tl.exp2(tl.minimum(b_g - b_gj, 0.0))
-                    m_col = o_c[None, :] == jj                  # [1, BC] the entry (i, j(i))
-                    b_aqk_d += tl.where(m_col, tl.sum(b_q * b_kj, axis=1)[:, None], 0.0)
-                    b_akk_d += tl.where(m_col, tl.sum(b_k * b_kj, axis=1)[:, None], 0.0)
-                # off-diagonal blocks: row block r against the columns j < 16 r, factored around gam_{16 r}
-                for i_r in range(BT // BC - 1):                 # (blocks past Tc hold zero rows: no effect)
-                    r0 = (i_r + 1) * BC
-                    b_gr = tl.load(gam + r0 * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)    # [BK]
-                    m_r = (o_t >= r0) & (o_t < r0 + BC)                             # [BT] rows of block r
-                    # [BT, BK] factors exp2(gam_i - gam_ref) <= 1 (rows of block r), exp2(gam_ref - gam_j) <= 1 (j < r0)
-                    b_ei = tl.where(m_r[:, None], tl.exp2(tl.minimum(b_g - b_gr[None, :], 0.0)), 0.0)
-                    b_kc = tl.where((o_t < r0)[:, None], b_k * tl.exp2(tl.minimum(b_gr[None, :] - b_g, 0.0)), 0.0)
-                    b_kc = tl.trans(b_kc.to(DOT_DT))
-                    # [BT, BK] @ [BK, BT] -> [BT, BT]
-                    b_aqk += tl.dot((b_q * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
-                    b_akk += tl.dot((b_k * b_ei).to(DOT_DT), b_kc, input_precision=PREC)
+                # exact for any decay: the binary split of the chunk (split_level), levels 2 .. 16 for the pairs
+                # inside a diagonal block, 32 and 64 for the pairs of different blocks; then i == j (decay 1)
+                for lv in range(1, 7):
+                    b_tq, b_tk = split_level(b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv, DOT_DT, PREC)
+                    b_aqk += b_tq
+                    b_akk += b_tk
+                b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
     f_bad = first_row(bad, BT)
     if f_bad < Tc:   # rare: o rows >= f_bad and the state leaving the chunk become NaN (common.poison_rows)
         tl.debug_barrier()                                  # after every thread's qg / kd / gam accesses above
@@ -241,11 +220,6 @@ def chunk_kda_fwd_kernel_intra(
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
-        if n_exact > 0:
-            # [BT, BC] -> the diagonal blocks of [BT, BT] (j = o_j(i) + c, causal: c <= i mod BC)
-            o_i = (o_t % BC)[:, None]
-            b_aqk += spread_diag(tl.where(o_c[None, :] <= o_i, b_aqk_d, 0.0), BT, BC)
-            b_akk += spread_diag(tl.where(o_c[None, :] < o_i, b_akk_d, 0.0), BT, BC)
         # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
         b_aqk = b_aqk * (f_scale * b_rq)[:, None] * b_rk[None, :]
         b_akk = b_akk * (b_beta * b_rk)[:, None] * b_rk[None, :]
@@ -286,11 +260,25 @@ def chunk_kda_fwd_kernel_intra(
 
 
 @triton.jit
-def spread_diag(x, BT: tl.constexpr, BC: tl.constexpr):
-    """[BT, BC] -> [BT, BT]: row i's BC values into the columns of its diagonal BC x BC block (zeros elsewhere)."""
-    o_b = tl.arange(0, BT // BC)
-    blk = (tl.arange(0, BT) // BC)[:, None, None] == o_b[None, :, None]        # [BT, NB, 1]
-    return tl.reshape(tl.where(blk, x[:, None, :], 0.0), [BT, BT])
+def split_level(b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, DOT_DT: tl.constexpr,
+                PREC: tl.constexpr):
+    """One level of the binary split of a chunk's pairs j < i: in each S-row segment, the rows i of its second
+    half against the columns j of its first half, factored around the segment's middle row R (j < R <= i):
+    exp2(gam_i - gam_j) = exp2(gam_i - gam_R) exp2(gam_R - gam_j), both factors <= 1 whatever the decay (gam
+    does not increase; written exp2(-|gam - gam_R|)). b_q, b_k, b_g: the K-block's [BT, BK] rows (zero past
+    Tc). Returns the [BT, BT] sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j) over the K-block, zero outside
+    those pairs. A factor that flushes to zero stands for a true product below 2^-126."""
+    o_r = (o_t // S) * S + S // 2                                   # [BT] middle row of each row's segment
+    b_gr = tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
+    b_e = tl.exp2(-tl.abs(b_g - b_gr))                              # [BT, BK]
+    m_hi = ((o_t % S) >= S // 2)[:, None]                          # [BT, 1] rows in the second half
+    b_kc = tl.trans(tl.where(m_hi, 0.0, b_k * b_e).to(DOT_DT))    # [BK, BT] columns of the first half
+    b_e = tl.where(m_hi, b_e, 0.0)
+    m_seg = (o_t // S)[:, None] == (o_t // S)[None, :]              # [BT, BT] same segment
+    # [BT, BK] @ [BK, BT] -> [BT, BT]
+    b_tq = tl.where(m_seg, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+    b_tk = tl.where(m_seg, tl.dot((b_k * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+    return b_tq, b_tk
 
 
 class IntraOut(NamedTuple):
