@@ -148,10 +148,9 @@ def chunk_kda_fwd_kernel_intra(
 
     # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (raw q, k: the l2norm
     # factors are applied to the sums)
-    o_j = (o_t // BC) * BC                              # [BT] first column of each row's diagonal block
-    # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i): the off-diagonal
-    # blocks accumulate in the dot layout, the diagonal blocks in their own tiles (no per-step layout
-    # conversion of a [BT, BT] accumulator); summed once after the K loop
+    o_j = (o_t // BC) * BC                              # [BT] first row of each row's 16-row block
+    # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i), every block in the
+    # dot layout; entries above the diagonal are masked once after the K loop
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
