@@ -73,11 +73,6 @@ def test_launch_arguments_do_not_alias():
     assert not bad, f"launches with overlapping tensor arguments: {bad}"
 
 
-if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
-    print(json.dumps(record_launches()))
-
-
 def test_lengths_are_not_specialised():
     """Every kernel leaves its length-like integer arguments (kernels.common.LENGTH_ARGS) unspecialised, so a call
     at a new sequence length reuses the compiled kernels (Triton specialises an int on == 1 and % 16 == 0)."""
@@ -103,3 +98,8 @@ def test_lengths_are_not_specialised():
         lengths = [a for a in fn.arg_names if a in LENGTH_ARGS]
         assert lengths, name
         assert set(lengths) <= set(fn.do_not_specialize), (name, lengths, fn.do_not_specialize)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    print(json.dumps(record_launches()))
