@@ -182,7 +182,8 @@ def chunk_kda_bwd_kernel_intra(
                 b_mut = tl.load(dM + o_u * sa + o_i, mask=m_u & (o_u > o_i), other=0.0)
                 b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
                 # [BC, BK] e(t, u) = exp2(gam_t - gam_u) where u <= t and e(u, t) where u >= t: both are
-                # exp2(-|gam_t - gam_u|) there (gam does not increase), one exp2 for the two (<= 1)
+                # exp2(-|gam_t - gam_u|) there (gam does not increase: g <= 0 is the op's contract), one exp2
+                # for the two (<= 1)
                 b_e = tl.exp2(-tl.abs(b_d))
                 b_dqa += b_ptu[:, None] * b_ku * b_e
                 b_x += b_mtu[:, None] * b_ku * b_e

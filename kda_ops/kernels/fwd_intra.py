@@ -264,9 +264,10 @@ def split_level(b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, DOT_DT: tl.constex
     """One level of the binary split of a chunk's pairs j < i: in each S-row segment, the rows i of its second
     half against the columns j of its first half, factored around the segment's middle row R (j < R <= i):
     exp2(gam_i - gam_j) = exp2(gam_i - gam_R) exp2(gam_R - gam_j), both factors <= 1 whatever the decay (gam
-    does not increase; written exp2(-|gam - gam_R|)). b_q, b_k, b_g: the K-block's [BT, BK] rows (zero past
-    Tc). Returns the [BT, BT] sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j) over the K-block, zero outside
-    those pairs. A factor that flushes to zero stands for a true product below 2^-126."""
+    does not increase: g <= 0 is the op's contract; written exp2(-|gam - gam_R|), so on this path a net
+    increase of gam, from g > 0, would be taken as the same decrease). b_q, b_k, b_g: the K-block's [BT, BK]
+    rows (zero past Tc). Returns the [BT, BT] sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j) over the
+    K-block, zero outside those pairs. A factor that flushes to zero stands for a true product below 2^-126."""
     o_r = (o_t // S) * S + S // 2                                   # [BT] middle row of each row's segment
     b_gr = tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
     b_e = tl.exp2(-tl.abs(b_g - b_gr))                              # [BT, BK]
