@@ -108,7 +108,7 @@ def test_stage_outputs_vs_chunked_reference():
     x, opts = bundles([q, k, v, g, beta], kw)
     idx = chunk_index(c.B, c.T, None)
     out, kbg = chunk_kda_fwd_intra(x, opts, idx)
-    W, U = chunk_kda_fwd_wu(v, out, kbg, idx)
+    W, U = chunk_kda_fwd_wu(x, opts, out, kbg, idx)
     st = chunk_kda_fwd_state(W, U, out.kd, out.kd_t, out.qg, out.Aqk, out.gam, kw["initial_state"], idx, False,
                              v.dtype, store_o=False, store_h=True, store_vn=True)
     d = lambda x: x.double()  # noqa: E731
@@ -145,8 +145,8 @@ def test_lowp_stage_layout():
     with mock.patch("torch.empty", nan_empty):
         ref, ref_kbg = chunk_kda_fwd_intra(x, opts, idx)
         low, low_kbg = chunk_kda_fwd_intra(x, opts, idx, lowp=True)
-        ref_w, ref_u = chunk_kda_fwd_wu(v, ref, ref_kbg, idx)
-        low_w, low_u = chunk_kda_fwd_wu(v, low, low_kbg, idx)
+        ref_w, ref_u = chunk_kda_fwd_wu(x, opts, ref, ref_kbg, idx)
+        low_w, low_u = chunk_kda_fwd_wu(x, opts, low, low_kbg, idx)
     assert not ref.kd_t and low.kd_t
     # bf16 copies of the fp32 values: the interpreter truncates (relative error < 2^-7, RMS ~3.3e-3)
     tol = 6e-3
@@ -462,6 +462,31 @@ def test_nan_gate_replaced_by_zero(in_op):
     o, ht = fwd(plant(inputs, "g", (0, 1, 4), t, float("nan")), kw)
     assert torch.equal(o[:, :t], o0[:, :t]) and torch.equal(o[..., 0, :], o0[..., 0, :])
     assert torch.isnan(o[:, t:, 1]).all() and torch.isnan(ht[1, 1]).all() and torch.equal(ht[0], ht0[0])
+
+
+@interpreter_only
+@pytest.mark.parametrize("lower_bound", [None, -3.0])
+@pytest.mark.parametrize("a_log", [float("nan"), float("inf"), 100.0])
+def test_gate_scale_not_finite(a_log, lower_bound):
+    """An A_log whose exp is not a normal number on value head 1 (the W/U kernel then tests the activated gate,
+    not g + dt_bias): the rows whose activated gate is NaN make that head's o NaN from the first of them on
+    (with NaN, every row); head 0 and the first sequence stay bitwise as in the clean run."""
+    inputs, kw, seqlens, _ = causal_case("chunk0", True)
+    kw = dict(kw, lower_bound=lower_bound)
+    o0, ht0 = fwd(inputs, kw)
+    kw["A_log"] = kw["A_log"].clone()
+    kw["A_log"][1] = a_log
+    o, ht = fwd(inputs, kw)
+    assert torch.equal(o[..., 0, :], o0[..., 0, :]) and torch.equal(ht[:, 0], ht0[:, 0])
+    g = inputs[3][0, :, 1].double() + kw["dt_bias"].view(2, -1)[1].double()
+    a = torch.tensor(a_log, dtype=torch.float64).exp()
+    act = (lower_bound * torch.sigmoid(a * g) if lower_bound is not None
+           else -a * torch.where(g > 20, g, torch.log1p(torch.exp(g))))
+    for n, (s, e) in enumerate(zip([0, seqlens[0]], [seqlens[0], sum(seqlens)])):
+        bad = act[s:e].isnan().any(-1).nonzero()
+        f = s + int(bad[0]) if len(bad) else e
+        assert torch.isnan(o[0, f:e, 1]).all() and torch.isfinite(o[0, s:f, 1]).all(), (n, f)
+        assert torch.isnan(ht[n, 1]).all() == (f < e), n
 
 
 @interpreter_only

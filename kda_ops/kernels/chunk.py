@@ -106,5 +106,5 @@ def _intra_wu(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, saved: Optional[T
               ) -> Tuple[IntraOut, Tensor, Tensor]:
     """The intra stage in the forward's storage (lowp) and W, U from it."""
     intra, kbg = chunk_kda_fwd_intra(x, opts, idx, lowp=True, saved=saved)
-    W, U = chunk_kda_fwd_wu(x.v, intra, kbg, idx)
+    W, U = chunk_kda_fwd_wu(x, opts, intra, kbg, idx)
     return intra, W, U

@@ -146,6 +146,27 @@ def zero_uncovered(x: torch.Tensor, idx: ChunkIndex) -> torch.Tensor:
     return x
 
 
+class GateArgs(NamedTuple):
+    """What a kernel that activates the gate and beta takes besides g and beta (see gate_args)."""
+    A_log: Optional[torch.Tensor]
+    dt_bias: Optional[torch.Tensor]
+    lower_bound: float
+    flags: dict
+
+
+def gate_args(x, opts) -> GateArgs:
+    """A_log and dt_bias of x (None without opts.use_gate), lower_bound as a float (0.0 when unused) and the
+    constexpr flags USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL."""
+    use_gate = opts.use_gate
+    A_log = x.A_log if use_gate else None
+    dt_bias = x.dt_bias if use_gate else None
+    lower_bound = opts.lower_bound if use_gate else None
+    return GateArgs(A_log, dt_bias, 0.0 if lower_bound is None else float(lower_bound), dict(
+        USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        HAS_LOWER_BOUND=lower_bound is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid,
+        ALLOW_NEG_EIGVAL=opts.allow_neg_eigval))
+
+
 def tune_size(tokens, heads):
     """The problem-size part of the chunk kernels' autotune keys: tokens * value heads / 2^14, at most 32.
 
@@ -265,11 +286,10 @@ def poison_rows(qg, kd, gam, f, Tc, HV, K: tl.constexpr, BT: tl.constexpr, BK: t
 
 @triton.jit
 def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
-                  EPS: tl.constexpr, CHECK: tl.constexpr):
+                  EPS: tl.constexpr, ZERO_BAD: tl.constexpr):
     """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), of one chunk (x at its first row and head):
-    ([BT] fp32, ones without l2norm; [BT] whether the row has a non-finite element, all False without
-    l2norm or CHECK). CHECK (k): such a row's sum of squares is made NaN (selection) and its factor 0; a
-    sum of finite elements that overflows to inf is not flagged."""
+    [BT] fp32, ones without l2norm. ZERO_BAD (k): 0 for a row with a NaN or inf element (its sum of squares is
+    NaN or inf; a sum of finite elements that overflows gives 0 too), so that the row's zeroed k stays zero."""
     o_t = tl.arange(0, BT)
     if USE_L2NORM:
         b_ss = tl.zeros([BT], dtype=tl.float32)
@@ -278,14 +298,13 @@ def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
             # [BT, BK]
             b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
                           mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
-            if CHECK:
-                b_ss += tl.sum(tl.where(finite(b_x), b_x * b_x, float("nan")), axis=1)
-            else:
-                b_ss += tl.sum(b_x * b_x, axis=1)
-        bad = b_ss != b_ss
-        return tl.where(bad, 0.0, tl.rsqrt(b_ss + EPS)), bad
+            b_ss += tl.sum(b_x * b_x, axis=1)
+        b_r = tl.rsqrt(b_ss + EPS)
+        if ZERO_BAD:
+            b_r = tl.where(b_ss == b_ss, b_r, 0.0)
+        return b_r
     else:
-        return tl.full([BT], 1.0, dtype=tl.float32), o_t < 0
+        return tl.full([BT], 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -295,27 +314,22 @@ def softplus(x):
 
 
 @triton.jit
-def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
-                   HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                   HAS_LOWER_BOUND: tl.constexpr):
-    """Loads the gate of one chunk and K-block, activates it, returns (gam [BT, BK] fp32 (log2 units), [BT]
-    whether the row's activated gate is NaN or +inf somewhere in this K-block).
-
-    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
-    so do invalid rows (selection), so that gam stays finite.
-    """
+def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
+              HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+              HAS_LOWER_BOUND: tl.constexpr):
+    """The activated log decay of one chunk and K-block: [BT, BK] fp32 (natural log units), 0 past Tc. NaN and
+    +inf are invalid inputs, -inf a full reset (callers: load_gam_block, gate_valid)."""
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_t = o_t < Tc
-    m_k = o_k < K
+    m_tk = (o_t < Tc)[:, None] & (o_k < K)[None, :]
     # [BT, BK]
-    p_g = g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :]
-    b_g = tl.load(p_g, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_g = tl.load(g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_g = b_g.to(tl.float32)
     if USE_GATE:
         if HAS_DT_BIAS:
             # [BK]
-            b_g = b_g + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+            b_g = b_g + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
         if HAS_A_LOG:
             b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         else:
@@ -324,13 +338,56 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
             b_g = lower_bound * tl.sigmoid(b_a * b_g)
         else:
             b_g = -b_a * softplus(b_g)
-        b_g = tl.where(m_t[:, None] & m_k[None, :], b_g, 0.0)
-    # NaN and +inf are invalid (zeroed here, their rows flagged); -inf is a valid full reset: a step below G_MIN
-    # decays to exactly 0 in fp32 either way (exp(-104) is below the smallest fp32); raising it to G_MIN keeps
-    # the cumsum finite (g = -inf would make gam_i - gam_j = -inf + inf = NaN) and well conditioned
-    ok = b_g < float("inf")
-    b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
-    return tl.cumsum(b_g, axis=0) * 1.4426950408889634, rows_bad(ok)
+        b_g = tl.where(m_tk, b_g, 0.0)
+    return b_g
+
+
+@triton.jit
+def gate_valid(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
+               HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+               HAS_LOWER_BOUND: tl.constexpr):
+    """[BT, BK]: where load_gate's activated gate is valid (not NaN, not +inf; True past Tc), mostly without
+    activating it. With the in-op gate and a = exp(A_log) in (0, inf), both forms are NaN exactly where
+    x = g + dt_bias is (softplus(+-inf) = inf / 0, sigmoid(+-inf) = 1 / 0, lower_bound is finite) and never
+    +inf; for any other a (an A_log of +-inf, NaN or past exp's range) the gate is activated and tested."""
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_tk = (o_t < Tc)[:, None] & (o_k < K)[None, :]
+    # [BT, BK]
+    b_x = tl.load(g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_x = b_x.to(tl.float32)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            b_x = b_x + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+        ok = b_x == b_x
+        if HAS_A_LOG:
+            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            if (b_a <= 0.0) | (b_a == float("inf")) | (b_a != b_a):   # rare
+                ok = load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
+                               USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND) < float("inf")
+    else:
+        ok = b_x < float("inf")
+    return ok
+
+
+@triton.jit
+def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
+                   HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   HAS_LOWER_BOUND: tl.constexpr):
+    """gam of one chunk and K-block: the in-chunk cumsum of the activated gate, [BT, BK] fp32 in log2 units.
+
+    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
+    so do invalid elements (NaN, +inf: selection; the W/U kernel finds their rows, common.gate_valid).
+    """
+    b_g = load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
+                    USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)
+    # -inf is a valid full reset: a step below G_MIN decays to exactly 0 in fp32 either way (exp(-104) is below
+    # the smallest fp32); raising it to G_MIN keeps the cumsum finite (g = -inf would make gam_i - gam_j =
+    # -inf + inf = NaN) and well conditioned
+    b_g = tl.where(b_g < float("inf"), tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
+    return tl.cumsum(b_g, axis=0) * 1.4426950408889634
 
 
 @triton.jit

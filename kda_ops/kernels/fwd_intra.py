@@ -45,14 +45,14 @@ The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (th
 reach 2^SPAN, past fp16's range).
 Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is
 not finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not
-finite, or (fwd_wu.py) an element of its v is not finite. Those elements are zeroed at load by selection
-(never multiplied: 0 * NaN = NaN in a dot), so every earlier row's coefficient on them is an exact 0 and
-rows before the chunk's first invalid row f come out as with a finite value there. If f < Tc, rows >= f of
-qg, kd and gam are then overwritten with NaN (common.poison_rows; fwd_wu.py does the same for v): the state pass
-gives o = NaN at rows >= f and a NaN state leaving the chunk, so the rest of the sequence and its final
-state are NaN; the backward's recompute gives NaN for the sequence's gradients up to the chunk. Clean
-chunks pay the checks: an elementwise test per loaded k / gate tile, a row reduction per gate tile (k's rides
-on l2norm's sum of squares) and one reduction to the first invalid row.
+finite, or an element of its v is not finite. This kernel zeroes such elements at load by selection (never
+multiplied: 0 * NaN = NaN in a dot), so every earlier row's coefficient on them is an exact 0 and rows before
+the chunk's first invalid row f come out as with a finite value there. This kernel finds no rows: the W/U
+kernel (fwd_wu.py) does, and marks the rows from f on (NaN rows of qg, kd and gam: o = NaN from f on, and a NaN
+state leaving the chunk). Here a row reduction costs the autotuned forward ~10% on the H200 (~240 registers
+live); the W/U kernel has registers to spare. What this kernel passes on is elementwise: kbg is NaN where k is
+not finite, so that the W/U kernel, which reads kbg anyway, needs no second pass over k; it reads the raw gate
+and beta for their checks (common.gate_valid, load_beta).
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, first_row, kd_chunk, l2norm_rscale, length_jit, load_beta, load_gam_block,
-                     lowp_dot, poison_rows, rows_bad, tune_size)
+                     finite, gate_args, kd_chunk, l2norm_rscale, length_jit, load_beta, load_gam_block,
+                     lowp_dot, tune_size)
 
 
 @triton.autotune(
@@ -126,23 +126,20 @@ def chunk_kda_fwd_kernel_intra(
     kbg += t0 * sg + i_hv * K
     kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
 
-    # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below)
-    # bad [BT]: the chunk's invalid rows (see "Non-finite inputs" above), reduced to the first one at the end
-    b_beta, bad = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)   # [BT]
+    # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below); invalid
+    # elements zeroed (see "Non-finite inputs" above)
+    b_beta, _ = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)    # [BT]
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
-    b_rq, _ = l2norm_rscale(q, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, False)              # [BT]
-    # k's non-finite rows: found here with l2norm (a pass over k anyway), else in the main loop below
-    b_rk, bad_k = l2norm_rscale(k, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, True)           # [BT]
-    bad = bad | bad_k
+    b_rq = l2norm_rscale(q, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, False)                 # [BT]
+    b_rk = l2norm_rscale(k, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, True)                  # [BT]
     if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
         m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
         tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
         tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_gam, bad_g = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
-                                    USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
-        bad = bad | bad_g
+        b_gam = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
+                               USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
         tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
     tl.debug_barrier()
 
@@ -161,16 +158,15 @@ def chunk_kda_fwd_kernel_intra(
         b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         ok_k = finite(b_k)
-        if not USE_L2NORM:
-            bad = bad | rows_bad(ok_k)
         b_k = tl.where(ok_k, b_k, 0.0)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
         o_tk = o_t[:, None] * sg + o_k[None, :]
         tl.store(qg + o_tk, (b_q * (f_scale * b_rq)[:, None] * tl.exp2(b_g)).to(qg.dtype.element_ty), mask=m_tk)
-        # W's right operand: beta k exp2(gam)
-        tl.store(kbg + o_tk, (b_k * (b_beta * b_rk)[:, None] * tl.exp2(b_g)).to(kbg.dtype.element_ty), mask=m_tk)
+        # W's right operand: beta k exp2(gam), NaN where k is not finite (the W/U kernel's flags)
+        b_kbg = tl.where(ok_k, b_k * (b_beta * b_rk)[:, None] * tl.exp2(b_g), float("nan"))
+        tl.store(kbg + o_tk, b_kbg.to(kbg.dtype.element_ty), mask=m_tk)
         b_kd = (b_k * b_rk[:, None] * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)
         if KD_T:
             # into the [BK, BT] block of kd^T; rows past Tc are zeros (k loaded as 0 there) and stored too:
@@ -212,10 +208,6 @@ def chunk_kda_fwd_kernel_intra(
                     b_aqk += b_tq
                     b_akk += b_tk
                 b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
-    f_bad = first_row(bad, BT)
-    if f_bad < Tc:   # rare: o rows >= f_bad and the state leaving the chunk become NaN (common.poison_rows)
-        tl.debug_barrier()                                  # after every thread's qg / kd / gam accesses above
-        poison_rows(qg, kd, gam, f_bad, Tc, HV, K, BT, BK, KD_T)
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
@@ -349,20 +341,14 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
     # transient: the scratch of the inverse, and W's right operand beta k exp2(gam)
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
     scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
-    use_gate = opts.use_gate
-    A_log = x.A_log if use_gate else None
-    dt_bias = x.dt_bias if use_gate else None
-    lower_bound = opts.lower_bound if use_gate else None
+    gate = gate_args(x, opts)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[(idx.NT_total, HV)](
-        q, k, x.g, x.beta, absent(A_log, q), absent(dt_bias, q),
+        q, k, x.g, x.beta, absent(gate.A_log, q), absent(gate.dt_bias, q),
         out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
         out.kd, out.qg, kbg,
         absent(idx.cu_seqlens, q), absent(idx.chunk_indices, q),
-        float(opts.scale), 0.0 if lower_bound is None else float(lower_bound), T, idx.N,
-        H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
-        USE_GATE=use_gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        HAS_LOWER_BOUND=lower_bound is not None, USE_L2NORM=opts.use_qk_l2norm,
-        USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
+        float(opts.scale), gate.lower_bound, T, idx.N,
+        H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC, **gate.flags, USE_L2NORM=opts.use_qk_l2norm,
         IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
