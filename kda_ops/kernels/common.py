@@ -314,22 +314,29 @@ def softplus(x):
 
 
 @triton.jit
+def gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """The gate's input of one chunk and K-block: g (+ dt_bias with the in-op gate), [BT, BK] fp32, 0 past Tc."""
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    # [BT, BK]
+    b_x = tl.load(g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :],
+                  mask=(o_t < Tc)[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+    if USE_GATE and HAS_DT_BIAS:
+        # [BK]
+        b_x = b_x + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    return b_x
+
+
+@triton.jit
 def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
               HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
               HAS_LOWER_BOUND: tl.constexpr):
     """The activated log decay of one chunk and K-block: [BT, BK] fp32 (natural log units), 0 past Tc. NaN and
     +inf are invalid inputs, -inf a full reset (callers: load_gam_block, gate_valid)."""
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_tk = (o_t < Tc)[:, None] & (o_k < K)[None, :]
-    # [BT, BK]
-    b_g = tl.load(g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_g = b_g.to(tl.float32)
+    b_g = gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K, BT, BK, USE_GATE, HAS_DT_BIAS)   # [BT, BK]
     if USE_GATE:
-        if HAS_DT_BIAS:
-            # [BK]
-            b_g = b_g + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
         if HAS_A_LOG:
             b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         else:
@@ -338,7 +345,9 @@ def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
             b_g = lower_bound * tl.sigmoid(b_a * b_g)
         else:
             b_g = -b_a * softplus(b_g)
-        b_g = tl.where(m_tk, b_g, 0.0)
+        o_t = tl.arange(0, BT)
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_g = tl.where((o_t < Tc)[:, None] & (o_k < K)[None, :], b_g, 0.0)
     return b_g
 
 
@@ -351,15 +360,8 @@ def gate_valid(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
     activating it. With the in-op gate and a = exp(A_log) in (0, inf), both forms are NaN exactly where
     x = g + dt_bias is (softplus(+-inf) = inf / 0, sigmoid(+-inf) = 1 / 0, lower_bound is finite) and never
     +inf; for any other a (an A_log of +-inf, NaN or past exp's range) the gate is activated and tested."""
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_tk = (o_t < Tc)[:, None] & (o_k < K)[None, :]
-    # [BT, BK]
-    b_x = tl.load(g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_x = b_x.to(tl.float32)
+    b_x = gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K, BT, BK, USE_GATE, HAS_DT_BIAS)   # [BT, BK]
     if USE_GATE:
-        if HAS_DT_BIAS:
-            b_x = b_x + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
         ok = b_x == b_x
         if HAS_A_LOG:
             b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
