@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds, length_jit, softplus
+from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds, gate_scale, length_jit, softplus
 
 
 @length_jit
@@ -42,10 +42,7 @@ def chunk_kda_bwd_kernel_gate(
     o_t = tl.arange(0, BT)
     m_t = o_t < Tc
     b_dalog = tl.zeros([BK], dtype=tl.float32)
-    b_a = 1.0
-    if USE_GATE:
-        if HAS_ALOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_a = gate_scale(A_log, i_hv, HAS_ALOG)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K

@@ -314,6 +314,15 @@ def softplus(x):
 
 
 @triton.jit
+def gate_scale(A_log, i_hv, HAS_A_LOG: tl.constexpr):
+    """a = exp(A_log) of value head i_hv, the in-op gate's scale (fp32 scalar); 1.0 without A_log."""
+    if HAS_A_LOG:
+        return tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        return 1.0
+
+
+@triton.jit
 def gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
     """The gate's input of one chunk and K-block: g (+ dt_bias with the in-op gate), [BT, BK] fp32, 0 past Tc."""
@@ -337,10 +346,7 @@ def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
     +inf are invalid inputs, -inf a full reset (callers: load_gam_block, gate_valid)."""
     b_g = gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K, BT, BK, USE_GATE, HAS_DT_BIAS)   # [BT, BK]
     if USE_GATE:
-        if HAS_A_LOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        else:
-            b_a = 1.0
+        b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
         if HAS_LOWER_BOUND:
             b_g = lower_bound * tl.sigmoid(b_a * b_g)
         else:
@@ -364,7 +370,7 @@ def gate_valid(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
     if USE_GATE:
         ok = b_x == b_x
         if HAS_A_LOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
             if (b_a <= 0.0) | (b_a == float("inf")) | (b_a != b_a):   # rare
                 ok = load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
                                USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND) < float("inf")

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (L2NORM_EPS, absent, autotune_configs, length_jit, sanitize_cu_seqlens, seq_bounds, softplus,
-                     state_strides)
+from .common import (L2NORM_EPS, absent, autotune_configs, gate_scale, length_jit, sanitize_cu_seqlens, seq_bounds,
+                     softplus, state_strides)
 
 @triton.autotune(
     configs=autotune_configs([
@@ -75,10 +75,7 @@ def recurrent_kda_fwd_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     if USE_GATE:
-        if HAS_A_LOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        else:
-            b_a = 1.0
+        b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
         if HAS_DT_BIAS:
             # [BK]
             b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
