@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, chunk_bounds, dot_precision, length_jit,
-                     load_rows, tune_size)
+                     load_rows, tf32_round, tune_size)
 
 
 @triton.autotune(
@@ -132,7 +132,7 @@ def chunk_kda_bwd_kernel_intra(
             m_j = o_j < Tc
             b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
             b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM)
-            b_kj *= tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, SPAN)))
+            b_kj = tf32_round(b_kj * tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, SPAN))), PREC)
             # [BC, BC] P[i, j] (j <= i) and dM[i, j] (j < i)
             p_a = o_i[:, None] * sa + o_j[None, :]
             b_p = tl.load(dAqk + p_a, mask=m_i[:, None] & (o_j[None, :] <= o_i[:, None]), other=0.0)
@@ -147,9 +147,9 @@ def chunk_kda_bwd_kernel_intra(
             m_j = o_j < Tc
             b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
             b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, SPAN)))
-            b_qj = load_rows(q, rq, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * b_ej
+            b_qj = tf32_round(load_rows(q, rq, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * b_ej, PREC)
             b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0.0).to(tl.float32)
-            b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * (b_bj[:, None] * b_ej)
+            b_kj = tf32_round(load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * (b_bj[:, None] * b_ej), PREC)
             # [BC, BC] P[j, i] (j >= i) and dM[j, i] (j > i), loaded transposed: rows i of block r
             p_a = o_j[None, :] * sa + o_i[:, None]
             b_p = tl.load(dAqk + p_a, mask=m_j[None, :] & (o_j[None, :] >= o_i[:, None]), other=0.0)
@@ -161,10 +161,11 @@ def chunk_kda_bwd_kernel_intra(
         # in [2^-SPAN, 2^SPAN] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
         b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
         b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], SPAN))
-        b_dqa *= b_ea
-        b_x *= b_ea
-        b_dka *= tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN))
+        b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN))
         if b_span > SPAN:
+            b_dqa *= b_ea
+            b_x *= b_ea
+            b_dka *= b_eb
             # exact diagonal block: step s pairs the rows t of block r with its row u = r0 + s; (t, u) is a
             # row-direction pair when u <= t, a column-direction pair (u, t) when u >= t
             for s in range(tl.minimum(BC, Tc - r0)):
@@ -188,14 +189,34 @@ def chunk_kda_bwd_kernel_intra(
                 b_dqa += b_ptu[:, None] * b_ku * b_e
                 b_x += b_mtu[:, None] * b_ku * b_e
                 b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_e
+            b_corr = tl.zeros([BC, BK], dtype=tl.float32)
+        else:
+            # dGam's pair terms: q_i ea dq_a + beta_i k_i ea X - k_i eb dk_a. Each multiplier is replaced by the
+            # tf32 value the other direction's dot took for the same row of block r (its own-block operand), so
+            # that the two terms of every pair of the diagonal block cancel in dA_log / ddt_bias as in exact
+            # arithmetic; the residues go into b_corr (zero with IEEE dots). In this branch only, so that
+            # nothing more is live across the exact diagonal's loop.
+            b_corr = tl.zeros([BC, BK], dtype=tl.float32)
+            if PREC == "tf32":
+                b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+                b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+                b_v = b_qi * b_ea
+                b_corr += (tf32_round(b_v, PREC) - b_v) * b_dqa
+                b_v = b_ki * (b_bi[:, None] * b_ea)
+                b_corr += (tf32_round(b_v, PREC) - b_v) * b_x
+                b_v = b_ki * b_eb
+                b_corr -= (tf32_round(b_v, PREC) - b_v) * b_dka
+            b_dqa *= b_ea
+            b_x *= b_ea
+            b_dka *= b_eb
 
-        # [BC, BK] combine with the stage-2 terms of block r's rows
         b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
         b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+        # [BC, BK] combine with the stage-2 terms of block r's rows
         b_dkai = b_bi[:, None] * b_x
         tl.store(dq + p_ik, tl.load(dq + p_ik, mask=m_ik, other=0.0) + b_dqa, mask=m_ik)
         tl.store(dk + p_ik, tl.load(dk + p_ik, mask=m_ik, other=0.0) + b_dka + b_dkai, mask=m_ik)
-        b_dgam = tl.load(dgam + p_ik, mask=m_ik, other=0.0) + b_qi * b_dqa + b_ki * (b_dkai - b_dka)
+        b_dgam = tl.load(dgam + p_ik, mask=m_ik, other=0.0) + b_qi * b_dqa + b_ki * (b_dkai - b_dka) + b_corr
         tl.store(dgam + p_ik, b_dgam, mask=m_ik)
         # dbeta_i += <k_i, X_i>
         b_db += tl.sum(b_ki * b_x, 1)

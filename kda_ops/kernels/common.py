@@ -416,6 +416,18 @@ def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
 
 
 @triton.jit
+def tf32_round(x, PREC: tl.constexpr):
+    """With PREC == "tf32": fp32 x rounded to the nearest tf32 value (10 mantissa bits, ties away from zero),
+    still fp32; a tf32 dot takes such an operand exactly, whatever rounding the tensor cores apply, so a kernel
+    can multiply by the value the dot used. Otherwise x."""
+    if PREC == "tf32":
+        i = x.to(tl.int32, bitcast=True)
+        return ((i + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
 def load_rows(x, r, o_t, m_t, o_k, m_k, sx, sr, USE_L2NORM: tl.constexpr):
     """Rows o_t (row strides sx of x, sr of r) of q or k as fp32 [len(o_t), BK], l2-normalised with the row
     factors r when USE_L2NORM; zero where masked. x, r already point at the head of the chunk's first row."""
