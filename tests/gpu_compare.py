@@ -29,6 +29,43 @@ def run(fn, x: dict, do=None, dht=None, dtype=None) -> dict:
     return out
 
 
+FLA_FACTOR = 1.5      # dA_log / ddt_bias (and the model's 1-D parameters): at most this times FLA's error
+FLA_BOUNDED = ("dA_log", "ddt_bias")
+
+
+def load_fla():
+    """FLA's chunk_kda, or (None, why)."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as e:
+        return None, f"{type(e).__name__}: {e}"
+    return chunk_kda, ""
+
+
+def fla_call(chunk_kda):
+    """FLA's chunk_kda called as its users call it: int64 offsets, safe_gate with a lower bound."""
+    def call(*args, cu_seqlens=None, lower_bound=None, **kw):
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.long()
+        return chunk_kda(*args, cu_seqlens=cu_seqlens, lower_bound=lower_bound, safe_gate=lower_bound is not None,
+                         **kw)
+    return call
+
+
+def require_fla():
+    """(FLA's chunk_kda wrapped by fla_call, or None when FLA is not importable); fails the test instead under
+    KDA_OPS_REQUIRE_FLA=1."""
+    import os
+
+    import pytest
+    chunk_kda, why = load_fla()
+    if chunk_kda is None:
+        if os.environ.get("KDA_OPS_REQUIRE_FLA") == "1":
+            pytest.fail(f"KDA_OPS_REQUIRE_FLA=1 but FLA is not importable: {why}")
+        return None
+    return fla_call(chunk_kda)
+
+
 def fmt(e) -> str:
     return "-" if e is None else f"{e:.2e}"
 

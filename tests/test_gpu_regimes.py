@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kda_ops
-from gpu_compare import fmt, markdown_table, run
+from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fla_call, fmt, load_fla, markdown_table, run
 from kda_case import BF16_TOL, rel_rms, stable_seed
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -33,8 +33,6 @@ pytestmark = [
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
-FLA_FACTOR = 1.5                      # dA_log / ddt_bias: at most this times FLA's error on the same inputs
-FLA_BOUNDED = ("dA_log", "ddt_bias")
 TENSORS = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 
 SHAPES = {
@@ -44,24 +42,6 @@ SHAPES = {
 }
 
 ROWS: list = []        # (regime, shape, tensor, kda_ops error, FLA error or None, bound, ok)
-
-
-def load_fla():
-    """FLA's chunk_kda, or (None, why)."""
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError as e:
-        return None, f"{type(e).__name__}: {e}"
-    return chunk_kda, ""
-
-
-def fla_call(chunk_kda):
-    """FLA's chunk_kda called as its users call it: int64 offsets, safe_gate with a lower bound."""
-    def call(cu_seqlens=None, lower_bound=None, **kw):
-        if cu_seqlens is not None:
-            cu_seqlens = cu_seqlens.long()
-        return chunk_kda(cu_seqlens=cu_seqlens, lower_bound=lower_bound, safe_gate=lower_bound is not None, **kw)
-    return call
 
 
 def cotangents(x: dict, seed: int):
