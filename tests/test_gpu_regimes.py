@@ -1,21 +1,26 @@
 """bf16 chunk_kda on CUDA in every gate regime against the fp64 recurrence, beside FLA on the same inputs.
 
 For each regime of kda_ops.testing.REGIMES (gate, l2norm and beta sigmoid in the op; lower_bound=-5 in
-safe_gate) and three shapes with odd sizes (K=100, V=60 with HV=2H; varlen with a sequence shorter than a
-chunk; K=V=128 at T=1000): o and the final state, and the gradients of q, k, v, g, beta, A_log, dt_bias
-and the initial state for the loss <o, do> + <ht, dht>, as relative RMS against autograd through
-kda_ops.naive_recurrent_kda in float64, run on the GPU on the same inputs upcast.
+safe_gate), three shapes with odd sizes (K=100, V=60 with HV=2H; varlen with a sequence shorter than a chunk;
+K=V=128 at T=1000) and SEEDS input draws of each (4; KDA_OPS_REGIME_SEEDS=N for more): o and the final state,
+and the gradients of q, k, v, g, beta, A_log, dt_bias and the initial state for the loss <o, do> + <ht, dht>,
+as relative RMS against autograd through kda_ops.naive_recurrent_kda in float64, run on the GPU on the same
+inputs upcast.
 
-Bounds: kda_case.BF16_TOL for o, ht, dq, dk, dv, dh0, dg, dbeta. dA_log and ddt_bias: 1.5 x FLA's error
-(fla.ops.kda.chunk_kda; safe_gate=True, lower_bound=-5 in the safe_gate regime) against the same fp64
-reference, on the same inputs, measured in the same test; BF16_TOL's 2e-2 when FLA is not importable
-(KDA_OPS_REQUIRE_FLA=1 turns a missing FLA into a failure). Every error is printed, per test and as one
-table at the end of the module (pytest -s shows it):
+Bounds: kda_case.BF16_TOL for o, ht, dq, dk, dv, dh0, dg, dbeta, on every input. dA_log and ddt_bias are sums
+over every token of a head with heavy cancellation, and their relative error over HV numbers swings by 10x from
+one input draw to the next for any bf16 kernel (FLA's included: over 96 draws, each implementation's error was
+more than 1.5x the other's on 15-26 of them). They are bounded per regime, pooled over the regime's inputs
+(the root mean square of the per-input errors): at most FLA_FACTOR x FLA's pooled error (fla.ops.kda.chunk_kda;
+safe_gate=True, lower_bound=-5 in the safe_gate regime) on the same inputs, measured in the same test; at most
+BF16_TOL's 2e-2 when FLA is not importable (KDA_OPS_REQUIRE_FLA=1 turns a missing FLA into a failure). Every
+error is printed, per input and as one table at the end of the module (pytest -s shows it):
 
     KDA_OPS_AUTOTUNE=0 KDA_OPS_REQUIRE_FLA=1 python -m pytest -q -s -p no:cacheprovider tests/test_gpu_regimes.py
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -41,7 +46,18 @@ SHAPES = {
     "B1-T1000-H2-K128-V128": dict(B=1, T=1000, H=2, HV=2, K=128, V=128),
 }
 
-ROWS: list = []        # (regime, shape, tensor, kda_ops error, FLA error or None, bound, ok)
+SEEDS = int(os.environ.get("KDA_OPS_REGIME_SEEDS", "4"))     # input draws per (regime, shape)
+
+ROWS: list = []        # (regime, shape or "pooled", tensor, kda_ops error, FLA error or None, bound, ok)
+
+
+def seeds(regime: str, shape: str) -> list:
+    return [stable_seed(f"regimes-{regime}-{shape}")] + list(range(1000, 1000 + SEEDS - 1))
+
+
+def pooled(errors: list) -> float:
+    """The root mean square of per-input errors."""
+    return math.sqrt(sum(e * e for e in errors) / len(errors))
 
 
 def cotangents(x: dict, seed: int):
@@ -56,7 +72,8 @@ def cotangents(x: dict, seed: int):
 
 def table(rows) -> str:
     return markdown_table(["regime", "shape", "tensor", "kda_ops vs fp64", "FLA vs fp64", "bound", "ok"],
-                          [[r, s, t, fmt(e), fmt(f), f"{b:.2e}", "yes" if ok else "NO"] for r, s, t, e, f, b, ok in rows])
+                          [[r, s, t, fmt(e), fmt(f), "pooled" if math.isnan(b) else f"{b:.2e}", "yes" if ok else "NO"]
+                           for r, s, t, e, f, b, ok in rows])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,15 +83,14 @@ def summary():
         chunk_kda, why = load_fla()
         print(f"\n\nchunk_kda bf16 vs the fp64 recurrence, every gate regime (relative RMS; FLA: "
               f"{'fla.ops.kda.chunk_kda' if chunk_kda else 'not importable, ' + why}; bound for dA_log / "
-              f"ddt_bias = {FLA_FACTOR} x FLA's error)\n" + table(ROWS), flush=True)
+              f"ddt_bias = {FLA_FACTOR} x FLA's error pooled over the regime's inputs; rows: the pooled ones and "
+              f"any that failed)\n" + table(ROWS), flush=True)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("regime", REGIMES)
-def test_chunk_kda_regime_vs_fp64(regime, shape):
+def one_input(regime: str, shape: str, seed: int, fla_fn):
+    """(kda_ops' and FLA's errors by tensor name (FLA's None without FLA), problems found)."""
     spec = dict(SHAPES[shape])
     cu = spec.pop("cu_seqlens", None)
-    seed = stable_seed(f"regimes-{regime}-{shape}")
     x = make_inputs(**spec, regime=regime, dtype=DTYPE, device=DEVICE, seed=seed, cu_seqlens=cu,
                     initial_state=True)
     do, dht = cotangents(x, seed + 1)
@@ -86,36 +102,65 @@ def test_chunk_kda_regime_vs_fp64(regime, shape):
         assert got[name].dtype == DTYPE, (name, got[name].dtype)
     assert got["ht"].dtype == torch.float32
 
+    problems = []
+    fla = None
+    if fla_fn is not None:
+        try:
+            fla = run(fla_fn, x, do, dht)
+        except Exception as e:                        # reported as a failure, after the table
+            problems.append(f"seed {seed}: FLA raised {type(e).__name__}: {e}")
+    ours, theirs = {}, {}
+    for name in TENSORS:
+        if not torch.isfinite(got[name]).all():
+            problems.append(f"seed {seed}: kda_ops {name} is not finite")
+        ours[name] = rel_rms(got[name], ref[name])
+        theirs[name] = None
+        if fla is not None:
+            if fla.get(name) is None:
+                problems.append(f"seed {seed}: FLA gave no {name}")
+            else:
+                theirs[name] = rel_rms(fla[name], ref[name])
+    return ours, theirs, problems
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunk_kda_regime_vs_fp64(regime):
     chunk_kda_fla, why = load_fla()
     if chunk_kda_fla is None and os.environ.get("KDA_OPS_REQUIRE_FLA") == "1":
         pytest.fail(f"KDA_OPS_REQUIRE_FLA=1 but FLA is not importable: {why}")
-    fla, fla_error = None, ""
-    if chunk_kda_fla is not None:
-        try:
-            fla = run(fla_call(chunk_kda_fla), x, do, dht)
-        except Exception as e:                        # reported as a failure below, after the table
-            fla_error = f"FLA raised {type(e).__name__}: {e}"
+    fla_fn = fla_call(chunk_kda_fla) if chunk_kda_fla is not None else None
 
-    problems = [] if not fla_error else [fla_error]
-    rows = []
-    for name in TENSORS:
-        if not torch.isfinite(got[name]).all():
-            problems.append(f"kda_ops {name} is not finite")
-        err = rel_rms(got[name], ref[name])
-        fla_err = None
-        if fla is not None:
-            if fla.get(name) is None:
-                problems.append(f"FLA gave no {name}")
-            else:
-                fla_err = rel_rms(fla[name], ref[name])
-        if name in FLA_BOUNDED and chunk_kda_fla is not None:
-            bound = FLA_FACTOR * fla_err if fla_err is not None else float("nan")
-        else:
+    problems, rows = [], []
+    sums = {name: ([], []) for name in FLA_BOUNDED}   # per-input errors: kda_ops', FLA's
+    for shape in SHAPES:
+        for seed in seeds(regime, shape):
+            ours, theirs, found = one_input(regime, shape, seed, fla_fn)
+            problems += [f"{shape} {p}" for p in found]
+            per_input = []
+            for name in TENSORS:
+                if name in FLA_BOUNDED:
+                    sums[name][0].append(ours[name])
+                    sums[name][1].append(theirs[name])
+                    bound, ok = float("nan"), True          # bounded after the loop, pooled
+                else:
+                    bound = BF16_TOL[name]
+                    ok = ours[name] <= bound
+                    if not ok:
+                        problems.append(f"{shape} seed {seed} {name}: {ours[name]:.3e} > {bound:.3e}")
+                per_input.append((regime, f"{shape} seed {seed}", name, ours[name], theirs[name], bound, ok))
+            print(f"\n{regime} {shape} seed {seed}\n" + table(per_input), flush=True)
+            rows += per_input
+    for name, (mine, fla_errs) in sums.items():
+        err = pooled(mine)
+        fla_err = None if fla_fn is None or None in fla_errs else pooled(fla_errs)
+        if fla_fn is None:
             bound = BF16_TOL[name]
+        else:
+            bound = FLA_FACTOR * fla_err if fla_err is not None else float("nan")
         ok = err <= bound
         if not ok:
-            problems.append(f"{name}: {err:.3e} > {bound:.3e}")
-        rows.append((regime, shape, name, err, fla_err, bound, ok))
-    ROWS.extend(rows)
-    print(f"\n{regime} {shape}\n" + table(rows), flush=True)
-    assert not problems, f"{regime} {shape}: " + "; ".join(problems)
+            problems.append(f"pooled {name}: {err:.3e} > {bound:.3e}")
+        rows.append((regime, f"pooled over {len(mine)} inputs", name, err, fla_err, bound, ok))
+    ROWS.extend(r for r in rows if r[1].startswith("pooled") or not r[-1])
+    print(f"\n{regime}, pooled\n" + table(rows[-len(FLA_BOUNDED):]), flush=True)
+    assert not problems, f"{regime}: " + "; ".join(problems)
