@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import kda_ops
-from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fla_call, fmt, load_fla, markdown_table, run
+from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fmt, load_fla, markdown_table, require_fla, run
 from kda_case import BF16_TOL, rel_rms, stable_seed
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -125,10 +125,7 @@ def one_input(regime: str, shape: str, seed: int, fla_fn):
 
 @pytest.mark.parametrize("regime", REGIMES)
 def test_chunk_kda_regime_vs_fp64(regime):
-    chunk_kda_fla, why = load_fla()
-    if chunk_kda_fla is None and os.environ.get("KDA_OPS_REQUIRE_FLA") == "1":
-        pytest.fail(f"KDA_OPS_REQUIRE_FLA=1 but FLA is not importable: {why}")
-    fla_fn = fla_call(chunk_kda_fla) if chunk_kda_fla is not None else None
+    fla_fn = require_fla()
 
     problems, rows = [], []
     sums = {name: ([], []) for name in FLA_BOUNDED}   # per-input errors: kda_ops', FLA's
