@@ -86,7 +86,7 @@ def _gate_param(name: str, x: Optional[Tensor], numel: int, what: str, q: Tensor
     if x.numel() != numel:
         raise ValueError(f"{name} must hold {what} = {numel} elements (any shape), got shape {_shape(x)}")
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return x.reshape(numel).to(dtype)
+    return x if x.dim() == 1 and x.dtype == dtype else x.reshape(numel).to(dtype)
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, use_gate, use_beta_sigmoid,
@@ -168,9 +168,10 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, 
                          "(it makes the in-op beta 2 * sigmoid)")
     named = (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
              ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias))
+    device = q.device
     for name, x in named:
-        if x is not None and x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}: all tensors must share a device")
+        if x is not None and x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}: all tensors must share a device")
     if q.device.type == "cuda" and q.dtype == torch.float64:
         raise TypeError("float64 inputs are supported on CPU only (use float32, float16 or bfloat16 on CUDA)")
     if cu_seqlens is not None and (q.device.type != "cuda" or _CHECK_CU_SEQLENS) \

@@ -38,6 +38,11 @@ from torch.library import custom_op, triton_op
 from . import kernels, reference
 from .options import KDAInputs, KDAOptions
 
+try:   # what triton_op's CUDA body runs under: wrap_triton launches the kernel itself, not a traceable HOP
+    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+except ImportError:     # pragma: no cover - then every call goes through the dispatcher
+    _set_wrap_triton_enabled = None
+
 SCHEMA_VERSION = 1
 _EMPTY = (0,)
 # Chunk size of the torch implementation. Any size gives the same result; on CPU its cost is dominated by
@@ -336,9 +341,35 @@ def _needs_grad(x: KDAInputs) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in x)
 
 
+def _plain_eager_cuda(x: KDAInputs) -> bool:
+    """Whether a call that needs no gradient may run the CUDA implementation without going through the
+    dispatcher: plain CUDA tensors in eager mode, with nothing that the dispatcher would have to see (no
+    compile, export or trace, no dispatch or function mode, no functorch transform, no tensor subclass).
+    The op's dispatch (custom-op, autograd and dynamo-disable layers) costs about as much host time as the
+    decode kernel's GPU time (docs/performance.md, "Host time"); the result is the same either way."""
+    if not x.q.is_cuda or _set_wrap_triton_enabled is None or torch.compiler.is_compiling() \
+            or torch.compiler.is_exporting() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(t is None or type(t) is Tensor for t in x) and not _needs_grad(x)
+
+
+def _direct(x: KDAInputs, opts: KDAOptions, chunked: bool):
+    """The CUDA implementation called as the stable op's body would call it (see _plain_eager_cuda)."""
+    x, opts, idx = _cuda_bundles(*x, None, None, opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate,
+                                 opts.use_beta_sigmoid, opts.allow_neg_eigval, chunked=chunked)
+    return x, opts, idx, _set_wrap_triton_enabled(False)
+
+
 def chunk_kda(x: KDAInputs, opts: KDAOptions, output_final_state: bool):
     """(o, final_state or empty). Training (a gradient is needed, not exporting): the private op pair,
-    which saves Aqk, Tm and the chunk index for the backward; otherwise the stable op."""
+    which saves Aqk, Tm and the chunk index for the backward; plain eager CUDA calls without a gradient: the
+    stable op's CUDA body directly (_plain_eager_cuda); otherwise the stable op."""
+    if _plain_eager_cuda(x):
+        x, opts, idx, plain_launch = _direct(x, opts, True)
+        with plain_launch:
+            o, ht, _, _ = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
+        return o, _or_empty(ht, x.q, torch.float32)
     flags = (opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
              opts.allow_neg_eigval, output_final_state)
     if torch.compiler.is_exporting() or not _needs_grad(x):
@@ -352,6 +383,10 @@ def chunk_kda(x: KDAInputs, opts: KDAOptions, output_final_state: bool):
 
 
 def recurrent_kda(x: KDAInputs, opts: KDAOptions):
+    if _plain_eager_cuda(x):
+        x, opts, _, plain_launch = _direct(x, opts, False)
+        with plain_launch:
+            return kernels.recurrent_kda_triton(x, opts)
     return torch.ops.kda_ops.recurrent_kda_v1(
         *x, opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
         opts.allow_neg_eigval)

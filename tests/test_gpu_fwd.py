@@ -158,3 +158,35 @@ def test_varlen_layout_compiled():
         got = torch.compile(lambda c: chunk_index(1, 1000, c)[2:], fullgraph=True)(cu)
         for a, b in zip(got, eager[2:]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["chunk_kda", "recurrent_kda"])
+def test_eager_call_skips_the_dispatcher(name):
+    """A plain eager call that needs no gradient runs the stable op's CUDA body without the dispatcher (the
+    profiler sees no kda_ops op); under a dispatch mode the same call goes through the op, with the same
+    result bit for bit."""
+    import kda_ops
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    c = CASES[9]                                            # varlen, with an initial state
+    x = make_inputs(c, seed=2)
+    if name == "recurrent_kda":                             # the decode step: one token per sequence
+        x = {n: (t[:, :len(c.seqlens)] if n in "q k v g beta".split() else t) for n, t in x.items()}
+        x["cu_seqlens"] = torch.arange(len(c.seqlens) + 1, dtype=torch.int32, device="cuda")
+    kw = dict(use_qk_l2norm_in_kernel=c.l2norm, use_gate_in_kernel=c.gate, use_beta_sigmoid_in_kernel=c.beta_sigmoid,
+              output_final_state=True)
+    call = lambda: getattr(kda_ops, name)(**x, **kw)  # noqa: E731
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        o, ht = call()
+    assert not [e.name for e in prof.events() if e.name.startswith("kda_ops::")]
+    with Seen():
+        o2, ht2 = call()
+    assert any(op.startswith(f"kda_ops.{name}_v1") for op in Seen.ops), Seen.ops
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
