@@ -344,11 +344,12 @@ def _needs_grad(x: KDAInputs) -> bool:
 def _plain_eager_cuda(x: KDAInputs) -> bool:
     """Whether a call that needs no gradient may run the CUDA implementation without going through the
     dispatcher: plain CUDA tensors in eager mode, with nothing that the dispatcher would have to see (no
-    compile, export or trace, no dispatch or function mode, no functorch transform, no tensor subclass).
-    The op's dispatch (custom-op, autograd and dynamo-disable layers) costs about as much host time as the
-    decode kernel's GPU time (docs/performance.md, "Host time"); the result is the same either way."""
+    compile, export or TorchScript trace, no dispatch mode such as make_fx's or FakeTensorMode, no function
+    mode, no functorch transform, no tensor subclass). The op's dispatch (custom-op, autograd and
+    dynamo-disable layers) costs about as much host time as the decode kernel's GPU time
+    (docs/performance.md, "Small shapes are bound by the host"); the result is the same either way."""
     if not x.q.is_cuda or _set_wrap_triton_enabled is None or torch.compiler.is_compiling() \
-            or torch.compiler.is_exporting() or torch._C._len_torch_dispatch_stack() \
+            or torch.compiler.is_exporting() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() \
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     return all(t is None or type(t) is Tensor for t in x) and not _needs_grad(x)
