@@ -187,8 +187,7 @@ _recurrent_kda_torch.register_fake(_recurrent_fake)
 # ----------------------------------------------------------------------------------------------
 # The stable ops.
 # ----------------------------------------------------------------------------------------------
-@triton_op("kda_ops::chunk_kda_v1", mutates_args={})
-def chunk_kda_v1(
+def _chunk_kda_v1_body(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -206,8 +205,7 @@ def chunk_kda_v1(
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, output_final_state)
 
 
-@triton_op("kda_ops::recurrent_kda_v1", mutates_args={})
-def recurrent_kda_v1(
+def _recurrent_kda_v1_body(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     initial_state: Tensor, cu_seqlens: Optional[Tensor],
@@ -224,6 +222,9 @@ def recurrent_kda_v1(
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
 
 
+# The bodies stay plain functions too: a plain eager call runs them without the dispatcher (_plain_eager_cuda).
+chunk_kda_v1 = triton_op("kda_ops::chunk_kda_v1", mutates_args={})(_chunk_kda_v1_body)
+recurrent_kda_v1 = triton_op("kda_ops::recurrent_kda_v1", mutates_args={})(_recurrent_kda_v1_body)
 chunk_kda_v1.register_fake(_fwd_fake)
 recurrent_kda_v1.register_fake(_recurrent_fake)
 
@@ -355,24 +356,15 @@ def _plain_eager_cuda(x: KDAInputs) -> bool:
     return all(t is None or type(t) is Tensor for t in x) and not _needs_grad(x)
 
 
-def _direct(x: KDAInputs, opts: KDAOptions, chunked: bool):
-    """The CUDA implementation called as the stable op's body would call it (see _plain_eager_cuda)."""
-    x, opts, idx = _cuda_bundles(*x, None, None, opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate,
-                                 opts.use_beta_sigmoid, opts.allow_neg_eigval, chunked=chunked)
-    return x, opts, idx, _set_wrap_triton_enabled(False)
-
-
 def chunk_kda(x: KDAInputs, opts: KDAOptions, output_final_state: bool):
     """(o, final_state or empty). Training (a gradient is needed, not exporting): the private op pair,
     which saves Aqk, Tm and the chunk index for the backward; plain eager CUDA calls without a gradient: the
-    stable op's CUDA body directly (_plain_eager_cuda); otherwise the stable op."""
-    if _plain_eager_cuda(x):
-        x, opts, idx, plain_launch = _direct(x, opts, True)
-        with plain_launch:
-            o, ht, _, _ = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
-        return o, _or_empty(ht, x.q, torch.float32)
+    stable op's body without the dispatcher (_plain_eager_cuda); otherwise the stable op."""
     flags = (opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
              opts.allow_neg_eigval, output_final_state)
+    if _plain_eager_cuda(x):
+        with _set_wrap_triton_enabled(False):      # as triton_op runs the body: kernels launch directly
+            return _chunk_kda_v1_body(*x, *flags)
     if torch.compiler.is_exporting() or not _needs_grad(x):
         return torch.ops.kda_ops.chunk_kda_v1(*x, *flags)
     cu, ci, co = x.cu_seqlens, None, None
@@ -384,10 +376,9 @@ def chunk_kda(x: KDAInputs, opts: KDAOptions, output_final_state: bool):
 
 
 def recurrent_kda(x: KDAInputs, opts: KDAOptions):
+    flags = (opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
+             opts.allow_neg_eigval)
     if _plain_eager_cuda(x):
-        x, opts, _, plain_launch = _direct(x, opts, False)
-        with plain_launch:
-            return kernels.recurrent_kda_triton(x, opts)
-    return torch.ops.kda_ops.recurrent_kda_v1(
-        *x, opts.scale, opts.lower_bound, opts.use_qk_l2norm, opts.use_gate, opts.use_beta_sigmoid,
-        opts.allow_neg_eigval)
+        with _set_wrap_triton_enabled(False):
+            return _recurrent_kda_v1_body(*x, *flags)
+    return torch.ops.kda_ops.recurrent_kda_v1(*x, *flags)
