@@ -163,9 +163,13 @@ def test_varlen_layout_compiled():
 @pytest.mark.parametrize("name", ["chunk_kda", "recurrent_kda"])
 def test_eager_call_skips_the_dispatcher(name):
     """A plain eager call that needs no gradient runs the stable op's CUDA body without the dispatcher (the
-    profiler sees no kda_ops op); under a dispatch mode the same call goes through the op, with the same
-    result bit for bit."""
+    profiler sees no kda_ops op) and launches its kernels directly, as triton_op runs the body (every launch
+    finds wrap_triton off: no higher-order-op dispatch); under a dispatch mode the same call goes through the
+    op, with the same result bit for bit."""
+    from unittest import mock
+
     import kda_ops
+    from torch._library import triton as library_triton
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Seen(TorchDispatchMode):
@@ -183,9 +187,17 @@ def test_eager_call_skips_the_dispatcher(name):
     kw = dict(use_qk_l2norm_in_kernel=c.l2norm, use_gate_in_kernel=c.gate, use_beta_sigmoid_in_kernel=c.beta_sigmoid,
               output_final_state=True)
     call = lambda: getattr(kda_ops, name)(**x, **kw)  # noqa: E731
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    launches = []                                           # wrap_triton's state at each launch of the call
+    wrap = torch.library.wrap_triton
+
+    def spy(kernel):
+        launches.append(library_triton.is_wrap_triton_enabled())
+        return wrap(kernel)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+            mock.patch.object(torch.library, "wrap_triton", spy):
         o, ht = call()
     assert not [e.name for e in prof.events() if e.name.startswith("kda_ops::")]
+    assert launches and not any(launches), launches
     with Seen():
         o2, ht2 = call()
     assert any(op.startswith(f"kda_ops.{name}_v1") for op in Seen.ops), Seen.ops
