@@ -343,17 +343,26 @@ def _needs_grad(x: KDAInputs) -> bool:
 
 
 def _plain_eager_cuda(x: KDAInputs) -> bool:
-    """Whether a call that needs no gradient may run the CUDA implementation without going through the
-    dispatcher: plain CUDA tensors in eager mode, with nothing that the dispatcher would have to see (no
-    compile, export or TorchScript trace, no dispatch mode such as make_fx's or FakeTensorMode, no function
-    mode, no functorch transform, no tensor subclass). The op's dispatch (custom-op, autograd and
-    dynamo-disable layers) costs more than 0.02-0.05 ms of host time a call (the decode kernel: ~0.08 ms)
-    (docs/performance.md, "Small shapes are bound by the host"); the result is the same either way."""
-    if not x.q.is_cuda or _set_wrap_triton_enabled is None or torch.compiler.is_compiling() \
-            or torch.compiler.is_exporting() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() \
+    """Whether a call may run the CUDA implementation without going through the dispatcher: CUDA tensors and
+    _plain_eager(x). The op's dispatch (custom-op, autograd and dynamo-disable layers) costs more than 0.02-0.05
+    ms of host time a call (the decode kernel: ~0.08 ms) (docs/performance.md, "Small shapes are bound by the
+    host"); the result is the same either way."""
+    return x.q.is_cuda and _plain_eager(x)
+
+
+def _plain_eager(x: KDAInputs) -> bool:
+    """Eager mode with nothing that the dispatcher would have to see: no gradient needed, no compile, export or
+    TorchScript trace, no dispatch mode (make_fx's, FakeTensorMode), no function mode, no functorch transform,
+    and every tensor a plain one (torch.Tensor, or nn.Parameter, which has no dispatch behaviour of its own; a
+    model's A_log / dt_bias reach the op as they are) rather than another subclass."""
+    if _set_wrap_triton_enabled is None or torch.compiler.is_compiling() or torch.compiler.is_exporting() \
+            or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() \
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(t is None or type(t) is Tensor for t in x) and not _needs_grad(x)
+    return all(t is None or type(t) in _PLAIN_TYPES for t in x) and not _needs_grad(x)
+
+
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def chunk_kda(x: KDAInputs, opts: KDAOptions, output_final_state: bool):

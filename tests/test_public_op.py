@@ -160,3 +160,55 @@ def test_op_choice_training_vs_inference():
     with torch.no_grad(), Ops() as m:
         kda_ops.chunk_kda(q, k, v, gg, beta)
     assert "chunk_kda_v1" in m.seen, m.seen
+
+
+# ---- which eager calls may skip the dispatcher (ops._plain_eager; on CUDA, ops._plain_eager_cuda) -----------
+def _eager_inputs(param_requires_grad=True):
+    from kda_ops.options import KDAInputs
+    (q, k, v, g, beta), kw = Case(B=1, T=5, H=1, HV=1, K=4, V=4, in_op=True).make(seed=0)
+    A_log = torch.nn.Parameter(kw["A_log"].float(), requires_grad=param_requires_grad)   # as a model passes it
+    return KDAInputs(q, k, v, g, beta, A_log, kw["dt_bias"], kw["initial_state"], None)
+
+
+def _flag_in(trace, x):
+    """ops._plain_eager(x) as seen from inside a traced function: the traced function returns t + flag."""
+    from kda_ops import ops
+    out = trace(lambda t: t + float(ops._plain_eager(x)))
+    return bool(out.item())
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_plain_eager_conditions():
+    """Plain tensors (nn.Parameter included) in eager mode without a gradient: True. A gradient to compute, a
+    tensor subclass, a dispatch or function mode, a functorch transform, torch.compile, torch.export,
+    make_fx or a TorchScript trace: False (those must see the op)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from kda_ops import ops
+
+    x = _eager_inputs()
+    t = torch.zeros(())
+    with torch.no_grad():
+        assert ops._plain_eager(x)                                    # a model's A_log Parameter under no_grad
+        assert not ops._plain_eager(x._replace(q=torch.Tensor._make_subclass(_Sub, x.q)))
+        with TorchDispatchMode():
+            assert not ops._plain_eager(x)
+        with TorchFunctionMode():
+            assert not ops._plain_eager(x)
+        assert not _flag_in(lambda f: torch.func.vmap(f)(t[None])[0], x)
+        assert not _flag_in(lambda f: torch.compile(f, fullgraph=True, backend="eager")(t), x)
+        assert not _flag_in(lambda f: make_fx(f)(t)(t), x)
+        assert not _flag_in(lambda f: torch.jit.trace(f, t)(t), x)
+
+        class M(torch.nn.Module):
+            def forward(self, t):
+                return t + float(ops._plain_eager(x))
+        assert not torch.export.export(M(), (t,), strict=False).module()(t).item()
+        assert _flag_in(lambda f: f(t), x)                             # the probe itself, untraced
+    assert not ops._plain_eager(x)                                     # grad enabled, A_log requires grad
+    assert ops._plain_eager(_eager_inputs(param_requires_grad=False))
+    assert not ops._plain_eager_cuda(x)                                # CPU tensors
