@@ -1,10 +1,13 @@
-"""Seconds of the first kda_ops.chunk_kda call (forward + backward) at each new length, in one process.
+"""Seconds of the first chunk_kda call (forward + backward) at each new length, in one process.
 
     python benchmarks/first_call.py [--lengths 1000 1200 1216 777 4096 1] [--shape-rest 1,4,128] [--varlen]
+    python benchmarks/first_call.py --provider fla --lengths 4096 --shape-rest 2,16,128
 
 The first length pays the compile (and the autotune, unless KDA_OPS_AUTOTUNE=0); a later length should cost
 about what a warm call costs (target: < 1 s), whatever its divisibility by 16. Each row: length, seconds of the
 first call, milliseconds of a second call at the same length. bf16, gate + l2norm + beta sigmoid in the op.
+``--provider fla`` times FLA's chunk_kda the same way (FLA autotunes always). For a first use, point
+TRITON_CACHE_DIR at an empty folder: Triton's on-disk cache otherwise skips the compile.
 """
 from __future__ import annotations
 
@@ -17,8 +20,16 @@ import kda_ops
 from kda_ops.testing import make_inputs
 
 
-def call(kw):
-    o, ht = kda_ops.chunk_kda(**kw, output_final_state=True)
+def chunk_fla(**kw):
+    from fla.ops.kda import chunk_kda
+    return chunk_kda(**kw, safe_gate=kw.get("lower_bound") is not None)
+
+
+PROVIDERS = {"kda_ops": kda_ops.chunk_kda, "fla": chunk_fla}
+
+
+def call(f, kw):
+    o, ht = f(**kw, output_final_state=True)
     (o.float().sum() + ht.sum()).backward()
     torch.cuda.synchronize()
 
@@ -28,18 +39,20 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[1000, 1200, 1216, 777, 4096, 1])
     ap.add_argument("--shape-rest", default="1,4,128", help="B,H,D (K = V = D)")
     ap.add_argument("--varlen", action="store_true", help="B = 1 and two sequences of lengths T // 3, T - T // 3")
+    ap.add_argument("--provider", choices=sorted(PROVIDERS), default="kda_ops")
     a = ap.parse_args()
+    f = PROVIDERS[a.provider]
     B, H, D = (int(x) for x in a.shape_rest.split(","))
-    print(f"first call per length, (B, H, K=V) = ({B}, {H}, {D}){' varlen' if a.varlen else ''}")
+    print(f"{a.provider}: first call per length, (B, H, K=V) = ({B}, {H}, {D}){' varlen' if a.varlen else ''}")
     for T in a.lengths:
         cu = [0, T // 3, T] if a.varlen else None
         kw = make_inputs(1 if a.varlen else B, T, H, D, device="cuda", cu_seqlens=cu, initial_state=True,
                          requires_grad=True)
         t0 = time.perf_counter()
-        call(kw)
+        call(f, kw)
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        call(kw)
+        call(f, kw)
         print(f"  T={T:6d}  first {first:8.3f} s  again {1e3 * (time.perf_counter() - t0):8.2f} ms", flush=True)
 
 
