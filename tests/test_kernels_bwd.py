@@ -43,6 +43,7 @@ def cases():
         # span by 8 * 5 / ln 2 < SPAN (fast path only); A_log >= 3 without lower_bound exceeds it (exact path)
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, lower_bound=-5.0, dtype=torch.bfloat16),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=f32),
+        Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=torch.bfloat16),
     ]
 
 
