@@ -6,8 +6,8 @@ spends its time.
 Each row is the CPU wall time of ITERS calls issued back to back without a synchronisation, divided by ITERS
 (bench_kda.host_ms): the stable op through the dispatcher (torch.ops.kda_ops.*_v1), the public function under
 no_grad (validation + the op's CUDA body; a plain eager call skips the dispatcher, docs/design.md), FLA's
-function where FLA is installed, and forward + backward through autograd. The chunked call at --shape, the
-decode step (T = 1, with a state) at --decode (B, H, K = V). Inputs as bench_kda.py. The numbers move between
+function where FLA is installed, and forward + backward through autograd. The decode step (T = 1, with a
+state) at --decode (B, H, K = V) first, then the chunked call at --shape. Inputs as bench_kda.py. The numbers move between
 processes (up to ~2x): run it more than once.
 """
 from __future__ import annotations
@@ -55,21 +55,21 @@ def main():
                     help="B,H,D of the decode step (K = V = D)")
     ap.add_argument("--iters", type=int, default=300)
     a = ap.parse_args()
-    B, T, H, D = a.shape
-    x = inputs(B, T, H, D, "weak", backward=True)
     print(f"host ms per call, {a.iters} calls back to back")
-    rows_of(f"chunk {a.shape}", [
-        ("op: torch.ops.kda_ops.chunk_kda_v1", lambda: lambda: torch.ops.kda_ops.chunk_kda_v1(*op_args(x, D, False))),
-        ("api: kda_ops.chunk_kda", lambda: fn_kda_ops(x)),
-        ("fla: chunk_kda", lambda: fn_fla(x))], a.iters)
-    print(f"  {host_ms(make_step(fn_kda_ops(x), x, True), a.iters):7.3f}  chunk {a.shape} autograd: api forward "
-          "+ backward", flush=True)
     Bd, Hd, Dd = a.decode
     xd = make_inputs(Bd, 1, Hd, Dd, dtype=torch.bfloat16, device="cuda", initial_state=True)
     rows_of(f"decode {a.decode}", [
         ("op: torch.ops.kda_ops.recurrent_kda_v1", lambda: lambda: torch.ops.kda_ops.recurrent_kda_v1(*op_args(xd, Dd))),
         ("api: kda_ops.recurrent_kda", lambda: lambda: kda_ops.recurrent_kda(**xd)),
         ("fla: fused_recurrent_kda", lambda: fla_decode(xd))], a.iters)
+    B, T, H, D = a.shape
+    x = inputs(B, T, H, D, "weak", backward=True)
+    rows_of(f"chunk {a.shape}", [
+        ("op: torch.ops.kda_ops.chunk_kda_v1", lambda: lambda: torch.ops.kda_ops.chunk_kda_v1(*op_args(x, D, False))),
+        ("api: kda_ops.chunk_kda", lambda: fn_kda_ops(x)),
+        ("fla: chunk_kda", lambda: fn_fla(x))], a.iters)
+    print(f"  {host_ms(make_step(fn_kda_ops(x), x, True), a.iters):7.3f}  chunk {a.shape} autograd: api forward "
+          "+ backward", flush=True)
 
 
 if __name__ == "__main__":
