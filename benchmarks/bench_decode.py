@@ -2,6 +2,11 @@
 
     python benchmarks/bench_decode.py
     python benchmarks/bench_decode.py --shapes 64,32,128 --regime strong --json out/bench_decode.json
+    python benchmarks/bench_decode.py --sweep
+
+--sweep times our decode kernel alone (CUDA graph) at each of SWEEP_CONFIGS (BV, warps) over SWEEP_SHAPES
+(or --shapes) and prints one row per shape: how the fixed launch config (kernels/recurrent.py DECODE_BV,
+DECODE_WARPS) compares with the others.
 
 Providers: ``kda_ops`` (kda_ops.recurrent_kda: our Triton decode kernel) and ``fla``
 (fla.ops.kda.fused_recurrent_kda, output_final_state=True, the state not updated in place). Inputs from kda_ops.testing.make_inputs (--regime). Both with the
@@ -27,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SHAPES = [(64, 32, 128), (1, 32, 128), (256, 32, 128), (64, 16, 256)]   # (B, H, K = V)
+SWEEP_CONFIGS = [(32, 4), (16, 2), (32, 2), (64, 4), (64, 8), (16, 1), (8, 1), (16, 4)]   # (BV, num_warps)
+SWEEP_SHAPES = [(B, H, D) for (H, D) in [(32, 128), (16, 256), (32, 64), (8, 128)] for B in (1, 4, 16, 64, 256)]
 
 
 def make_inputs(B, H, D, regime="weak"):
@@ -53,13 +60,40 @@ def bytes_moved(x) -> int:
     return inputs + x["v"].numel() * x["v"].element_size() + x["initial_state"].numel() * 4
 
 
+def sweep(shapes, regime) -> int:
+    """Our decode kernel at each (BV, warps) of SWEEP_CONFIGS, us from a CUDA graph; the fixed config marked."""
+    import kda_ops
+    from kda_ops.kernels import recurrent
+    fixed = (recurrent.DECODE_BV, recurrent.DECODE_WARPS)
+    print(f"decode kernel, us per call from a CUDA graph, on {torch.cuda.get_device_name()}; * = the launch config")
+    print(f"{'B':>4} {'H':>3} {'K=V':>4} | " + " ".join(f"{'%d/%d' % c + ('*' if c == fixed else ''):>7}"
+                                                    for c in SWEEP_CONFIGS) + " | fixed / best")
+    try:
+        for B, H, D in shapes:
+            x = make_inputs(B, H, D, regime)
+            us = []
+            for bv, w in SWEEP_CONFIGS:
+                recurrent.DECODE_BV, recurrent.DECODE_WARPS = bv, w
+                fn = lambda: kda_ops.recurrent_kda(**x)  # noqa: E731
+                fn()
+                us.append(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3)
+            ratio = us[SWEEP_CONFIGS.index(fixed)] / min(us) if fixed in SWEEP_CONFIGS else float("nan")
+            print(f"{B:>4} {H:>3} {D:>4} | " + " ".join(f"{u:7.1f}" for u in us) + f" | {ratio:.3f}", flush=True)
+    finally:
+        recurrent.DECODE_BV, recurrent.DECODE_WARPS = fixed
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="*", default=None, help="B,H,D triples (default: %s)" % SHAPES)
     p.add_argument("--regime", default="weak", help="gate regime of kda_ops.testing (default: weak)")
     p.add_argument("--json", default=None, help="also write the rows, versions and command to this path")
+    p.add_argument("--sweep", action="store_true", help="time the decode kernel at each of SWEEP_CONFIGS instead")
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    if args.sweep:
+        return sweep(shapes if args.shapes else SWEEP_SHAPES, args.regime)
     card = torch.cuda.get_device_name()
     rows = []
     for B, H, D in shapes:

@@ -7,8 +7,8 @@ Each row is the CPU wall time of ITERS calls issued back to back without a synch
 (bench_kda.host_ms): the stable op through the dispatcher (torch.ops.kda_ops.*_v1), the public function under
 no_grad (validation + the op's CUDA body; a plain eager call skips the dispatcher, docs/design.md), FLA's
 function where FLA is installed, and forward + backward through autograd. The decode step (T = 1, with a
-state) at --decode (B, H, K = V) first, then the chunked call at --shape. Inputs as bench_kda.py. The numbers move between
-processes (up to ~2x): run it more than once.
+state) at --decode (B, H, K = V) first, then the chunked call at --shape. Inputs as bench_kda.py. The numbers
+move between processes (up to ~2x): run it more than once.
 """
 from __future__ import annotations
 

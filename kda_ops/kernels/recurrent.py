@@ -28,10 +28,9 @@ from ..options import KDAInputs, KDAOptions
 from .common import (L2NORM_EPS, absent, gate_scale, length_jit, sanitize_cu_seqlens, seq_bounds, softplus,
                      state_strides)
 
-# The launch config, fixed: BV = 16 with one warp was the fastest, or within 2%, of the eight configs this kernel
-# used to autotune over, at every decode shape measured on the H200 (B in 1..256; H, K = V of 32, 128 / 16, 256 /
-# 32, 64 / 8, 128; replayed from CUDA graphs). Without an autotuner (and without heuristics) an eager decode
-# call goes through one launch wrapper, and the first call benchmarks nothing.
+# The launch config, fixed: on the H200, BV = 16 with one warp is the fastest or within 2% of eight (BV, warps)
+# configs at every decode shape measured (`python benchmarks/bench_decode.py --sweep`). Without an autotuner (and
+# without heuristics) an eager decode call goes through one launch wrapper, and the first call benchmarks nothing.
 DECODE_BV = 16
 DECODE_WARPS = 1
 
