@@ -101,10 +101,11 @@ def test_compiled_backward_with_permuted_inputs():
 
 
 def test_autotune_size_class_adds_no_guard():
-    """The GPU launchers pass kernels.common.tune_size(B * T, HV) into their autotune keys. Under
-    torch.compile with dynamic shapes it must stay a symbolic expression: a Python branch on T there would
-    guard on T and recompile for every sequence length (this runs on CPU: the expression is the same)."""
-    from kda_ops.kernels.common import tune_size
+    """The GPU launchers pass kernels.common.tune_size(B * T, HV) (chunk-parallel kernels) or tune_lanes(N, HV)
+    (state passes) into their autotune keys. Under torch.compile with dynamic shapes both must stay symbolic
+    expressions: a Python branch on T there would guard on T and recompile for every sequence length (this runs
+    on CPU: the expressions are the same)."""
+    from kda_ops.kernels.common import tune_lanes, tune_size
 
     torch._dynamo.reset()
     frames = []
@@ -115,11 +116,15 @@ def test_autotune_size_class_adds_no_guard():
 
     @torch.compile(backend=backend, dynamic=True, fullgraph=True)
     def f(x):
-        return x * tune_size(x.shape[0] * x.shape[1], x.shape[2])
+        return x * tune_size(x.shape[0] * x.shape[1], x.shape[2]) + 100 * tune_lanes(x.shape[0], x.shape[2])
 
-    for T in (3, 100, 3000, 70000, 200000):        # size classes 0, 0, 0, 17 and 32 (capped)
-        x = torch.ones(1, T, 4)
-        assert f(x)[0, 0, 0].item() == min(T * 4 // 16384, 32)
+    # (B, T, H), every size >= 2 (dynamo specialises sizes 0 and 1): tokens x heads below / at 2^16; sequences
+    # x heads in lane classes 0 (< 8) .. 6 (>= 256)
+    for (B, T, H), size, lanes in [((2, 5, 3), 0, 0), ((2, 8191, 4), 0, 1), ((2, 8192, 4), 1, 1),
+                                   ((4, 5, 4), 0, 2), ((16, 4096, 4), 1, 4), ((64, 3, 4), 0, 6),
+                                   ((1000, 2, 4), 0, 6)]:
+        x = torch.ones(B, T, H)
+        assert f(x)[0, 0, 0].item() == size + 100 * lanes, (B, T, H)
     assert len(frames) == 1
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, length_jit, lowp_dot, seq_bounds,
-                     state_strides, tune_size)
+                     state_strides, tune_lanes)
 
 
 @triton.autotune(
@@ -158,7 +158,7 @@ def chunk_kda_bwd_state(
 
     torch.library.wrap_triton(chunk_kda_bwd_kernel_state)[grid](
         qg, kd, W, gam, Aqk, do, pick(dht), *state_strides(dht), dh, dvn, pick(dh0),
-        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_size(B * T, HV),
+        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_lanes(idx.N, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=idx.is_varlen, KD_T=kd_t,
         PREC=dot_precision(do.dtype), LOWP_DOT=lowp_dot(do.dtype),

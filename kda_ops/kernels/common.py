@@ -167,15 +167,37 @@ def gate_args(x, opts) -> GateArgs:
         ALLOW_NEG_EIGVAL=opts.allow_neg_eigval))
 
 
-def tune_size(tokens, heads):
-    """The problem-size part of the chunk kernels' autotune keys: tokens * value heads / 2^14, at most 32.
+def size_class(x, lo: int, classes: int):
+    """x's class among `classes`: 0 below lo, then one per doubling (lo, 2 lo, 4 lo, ...), the last one open.
 
-    Without it a config timed on the first call's shape was reused for every later one: the forward's state
-    pass kept a config timed at a test-sized shape (~0.02 ms per call) in every benchmark after it. Under torch.compile
-    this is a symbolic expression (a min of a floor division: no guard), so a new sequence length recompiles
-    nothing; each distinct value tunes once (at most 33 per kernel and flags).
+    A sum of mins of floor divisions: under torch.compile with dynamic shapes a symbolic expression, no guard
+    (a Python branch here would guard on the size and recompile at a new sequence length)."""
+    return sum(torch.sym_min(x // (lo << i), 1) for i in range(classes - 1))
+
+
+def tune_size(tokens, heads):
+    """The problem-size part of the chunk-parallel kernels' autotune keys (intra, W / U, inter, intra
+    gradients): 0 for a grid that barely fills the GPU (tokens x value heads < 2^16), 1 otherwise.
+
+    Their best config does not depend on the size beyond that: on the H200 at K = V = 128, bf16, from
+    (1, 2048, 32) to (8, 4096, 32) (B, T, value heads), each kernel's best config was the same at
+    every shape, within 4% (`python benchmarks/tune_sweep.py`). The small class keeps a config timed at a
+    launch-bound, test-sized first call away from the large shapes. So a new sequence length tunes nothing,
+    unless it is the first call past 2^16 tokens x heads.
     """
-    return torch.sym_min((tokens * heads) // 16384, 32)
+    return size_class(tokens * heads, 1 << 16, 2)
+
+
+def tune_lanes(sequences, heads):
+    """The problem-size part of the sequential state passes' autotune keys: the class of sequences x value
+    heads (their parallel lanes; the length only sets how long each lane runs): < 8, 8-15, ..., 128-255, >= 256.
+
+    Their best config depends on the lanes, not on the length: BV 32 with 4 warps at 32 lanes, BV 64 with 8
+    warps from 64 lanes, BV 16 at 8 lanes (the forward state pass on the H200, `benchmarks/tune_sweep.py`).
+    A new length at the same batch size and heads tunes nothing; varlen batches tune once per class of their
+    number of sequences.
+    """
+    return size_class(sequences * heads, 8, 7)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

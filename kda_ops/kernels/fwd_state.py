@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .common import (BT, ChunkIndex, INTERPRET, absent, autotune_configs, dot_precision, length_jit, seq_bounds,
-                     state_strides, tune_size)
+                     state_strides, tune_lanes)
 
 
 @triton.autotune(
@@ -190,7 +190,7 @@ def chunk_kda_fwd_state(
     torch.library.wrap_triton(chunk_kda_fwd_kernel_state)[grid](
         W, U, kd, qg, Aqk, gam, pick(initial_state), *state_strides(initial_state),
         pick(o), pick(h), pick(vn), pick(ht),
-        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_size(B * T, HV),
+        pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_lanes(idx.N, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_H=store_h, STORE_VN=store_vn,
         STORE_HT=output_final_state, IS_VARLEN=idx.is_varlen, UPCAST=INTERPRET,
