@@ -6,8 +6,7 @@ For each shape (and regime) one fwd + bwd call runs with a fresh autotune key, s
 all its configs there (Triton's own benchmark: median of its timed runs). Printed per kernel: the time of each
 config at each shape relative to that shape's best; what one config for every shape would lose against tuning
 at every shape; and what the launchers' keys lose (kernels.common.tune_size, tune_lanes: each class tuned at
-its first shape here). bf16, gate + l2norm + beta
-sigmoid in the op, K = V = 128.
+its first shape here). bf16, gate + l2norm + beta sigmoid in the op, K = V = 128 (--dim).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Under torch.compile, wrap_triton's functional form replaces each argument a kern
 argument's output copy; an absent optional argument that reused another tensor as its placeholder was thereby
 aliased into a real output (the gate cumsum) and compiled training computed garbage while eager was right.
 This test records the launches of every launcher (interpreter, tiny shapes, with and without each optional
-tensor) and checks that no two tensor arguments of one launch overlap in memory.
+tensor) and checks that no two tensor arguments of one launch overlap in memory. The same launches show which
+size each autotuned kernel puts in its key (TUNE_SIZE).
 """
 from __future__ import annotations
 
@@ -16,13 +17,20 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# In the child, the launchers' size classes are replaced by these encodings of their arguments, so that the
+# test sees what each kernel was given
+SIZE_TAG, LANES_TAG = 1_000_000, 2_000_000
+
+
 def record_launches():
-    """In the child (TRITON_INTERPRET=1): run the launchers, return [(kernel, [overlapping argument pairs])]."""
+    """In the child (TRITON_INTERPRET=1): run the launchers, return [(kernel, [overlapping argument pairs],
+    TUNE_SIZE or None, (tokens, sequences, value heads) of the call)]."""
     import torch
 
     from kda_case import Case
 
     launches = []
+    call = []
 
     class Recorder:
         def __init__(self, kernel):
@@ -36,7 +44,8 @@ def record_launches():
                 spans = [(n, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for n, t in tensors]
                 overlaps = [(a, b) for i, (a, pa, na) in enumerate(spans) for (b, pb, nb) in spans[i + 1:]
                             if pa < pb + max(nb, 1) and pb < pa + max(na, 1)]
-                launches.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, overlaps))
+                launches.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, overlaps,
+                                 named.get("TUNE_SIZE"), call[-1]))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
@@ -45,12 +54,20 @@ def record_launches():
     from kda_ops.kernels.recurrent import recurrent_kda_triton
     from kernel_inputs import bundles
 
+    from kda_ops.kernels import bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu
+    for mod in (bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu):
+        if hasattr(mod, "tune_size"):
+            mod.tune_size = lambda tokens, heads: SIZE_TAG + 1000 * tokens + heads
+        if hasattr(mod, "tune_lanes"):
+            mod.tune_lanes = lambda sequences, heads: LANES_TAG + 1000 * sequences + heads
+
     for full in (False, True):
         c = Case(B=1 if full else 2, T=70, H=2, HV=2, K=16, V=16, dtype=torch.float32, in_op=full,
                  initial_state=full, seqlens=[30, 40] if full else None)
         (q, k, v, g, beta), kw = c.make()
         x, opts = bundles([q, k, v, g.float(), beta.float()], kw, scale=16 ** -0.5)
         idx = chunk_index(c.B, c.T, x.cu_seqlens)
+        call.append((c.B * c.T, 2, 2))   # tokens, sequences (B = 2, or two packed), value heads
         _, _, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, full)
         dht = torch.randn(2, 2, 16, 16) if full else None
         chunk_kda_bwd_triton(torch.randn_like(v), dht, x, opts, idx)
@@ -69,8 +86,17 @@ def test_launch_arguments_do_not_alias():
     # fwd: intra, wu, state; bwd: 8 stages; decode; varlen (the second case) adds the zeroing of uncovered tokens
     # of o (fwd) and of the 5 token gradients (bwd)
     assert len(launches) == 2 * (3 + 2 * 8 + 1) + 1 + 2 * 5, launches
-    bad = [(name, pairs) for name, pairs in launches if pairs]
+    bad = [(name, pairs) for name, pairs, *_ in launches if pairs]
     assert not bad, f"launches with overlapping tensor arguments: {bad}"
+    # the size in each autotune key: the state passes' lanes are sequences x heads (the length only sets how
+    # long each lane runs), the chunk-parallel kernels' size is tokens x heads
+    tuned = {}
+    for name, _, tune, (tokens, sequences, heads) in launches:
+        if tune is not None:
+            want = LANES_TAG + 1000 * sequences + heads if "state" in name else SIZE_TAG + 1000 * tokens + heads
+            assert tune == want, (name, tune, want)
+            tuned[name] = tune
+    assert len(tuned) == 6, sorted(tuned)
 
 
 def test_lengths_are_not_specialised():

@@ -183,7 +183,7 @@ def tune_size(tokens, heads):
     (1, 2048, 32) to (8, 4096, 32) (B, T, value heads), each kernel's best config was the same at
     every shape, within 4% (`python benchmarks/tune_sweep.py`). The small class keeps a config timed at a
     launch-bound, test-sized first call away from the large shapes. So a new sequence length tunes nothing,
-    unless it is the first call past 2^16 tokens x heads.
+    unless it is the first call on the other side of 2^16 tokens x heads.
     """
     return size_class(tokens * heads, 1 << 16, 2)
 
