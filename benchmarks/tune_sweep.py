@@ -49,7 +49,9 @@ def sweep(shapes, regimes, D):
     for i, ((B, T, H), regime) in enumerate(itertools.product(shapes, regimes)):
         tag = 1000 + 3 * i   # a fresh autotune key (never 1, never a multiple of 16)
         for mod, _ in TUNED.values():
-            mod.tune_size = mod.tune_lanes = lambda *sizes, tag=tag: tag
+            for name in ("tune_size", "tune_lanes"):
+                if hasattr(mod, name):
+                    setattr(mod, name, lambda *sizes, tag=tag: tag)
         x = make_inputs(B, T, H, D, regime=regime, device="cuda", dtype=torch.bfloat16, initial_state=True,
                         requires_grad=True)
         seen = {name: getattr(getattr(mod, attr), "configs_timings", None) for name, (mod, attr) in TUNED.items()}

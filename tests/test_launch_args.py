@@ -62,18 +62,20 @@ def record_launches():
             mod.tune_lanes = lambda sequences, heads: LANES_TAG + 1000 * sequences + heads
 
     for full in (False, True):
-        c = Case(B=1 if full else 2, T=70, H=2, HV=2, K=16, V=16, dtype=torch.float32, in_op=full,
+        # grouped value heads (HV != H), so that a key given H instead of HV shows
+        c = Case(B=1 if full else 2, T=70, H=2, HV=4, K=16, V=16, dtype=torch.float32, in_op=full,
                  initial_state=full, seqlens=[30, 40] if full else None)
         (q, k, v, g, beta), kw = c.make()
         x, opts = bundles([q, k, v, g.float(), beta.float()], kw, scale=16 ** -0.5)
         idx = chunk_index(c.B, c.T, x.cu_seqlens)
-        call.append((c.B * c.T, 2, 2))   # tokens, sequences (B = 2, or two packed), value heads
+        N = len(c.seqlens) if c.seqlens else c.B
+        call.append((c.B * c.T, N, c.HV))
         _, _, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, full)
-        dht = torch.randn(2, 2, 16, 16) if full else None
+        dht = torch.randn(N, c.HV, 16, 16) if full else None
         chunk_kda_bwd_triton(torch.randn_like(v), dht, x, opts, idx)
         chunk_kda_bwd_triton(torch.randn_like(v), dht, x, opts, idx, (Aqk, Tm))   # with the forward's Aqk, Tm
         h0 = kw.get("initial_state")
-        recurrent_kda_triton(x._replace(initial_state=h0 if h0 is not None else torch.zeros(2, 2, 16, 16)), opts)
+        recurrent_kda_triton(x._replace(initial_state=h0 if h0 is not None else torch.zeros(N, c.HV, 16, 16)), opts)
     return launches
 
 
