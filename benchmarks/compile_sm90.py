@@ -1,10 +1,12 @@
 """Offline sm_90 (H100 / H200) compile of the chunk kernels, no GPU needed: registers, spills, shared memory.
 
-    python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd]
+    python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd] [--sass]
     PYTHONPATH=<site-packages with another triton> python benchmarks/compile_sm90.py ...
 
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
-config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.)
+config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.) --sass adds a line per build
+with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
+special-function MUFU, FFMA) or synchronisation (SHFL, BAR).
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -54,6 +56,15 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag):
     out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
     print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
+    if SASS:
+        print(f"    sass {sass_counts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)}",
+              flush=True)
+
+
+def sass_counts(sass, ops=('LDG', 'STG', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
+    """'N instructions, LDG n, ...' of a cuobjdump -sass listing (opcodes without their modifiers)."""
+    insts = re.findall(r'^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)', sass, re.M)
+    return f"{len(insts)} instructions, " + ", ".join(f"{op} {insts.count(op)}" for op in ops)
 
 
 def mn_a16(ttgir):
@@ -156,8 +167,10 @@ def configs(kernel):
     """(BV, num_warps, num_stages) of every autotune config of the state kernel (KDA_OPS_AUTOTUNE must not be 0)."""
     return [(cf.kwargs['BV'], cf.num_warps, cf.num_stages) for cf in kernel.configs]
 
+SASS = '--sass' in sys.argv
+
 if __name__ == '__main__':
-    what = sys.argv[1:] or ['intra', 'wu', 'state']
+    what = [w for w in sys.argv[1:] if w != '--sass'] or ['intra', 'wu', 'state']
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
         for (BK, w) in ((32, 8), (64, 8), (32, 4)):     # the backward's recompute with the forward's Aqk, Tm
