@@ -307,26 +307,26 @@ def poison_rows(qg, kd, gam, f, Tc, HV, K: tl.constexpr, BT: tl.constexpr, BK: t
 
 
 @triton.jit
-def l2norm_rscale(x, Tc, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
-                  EPS: tl.constexpr, ZERO_BAD: tl.constexpr):
-    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), of one chunk (x at its first row and head):
-    [BT] fp32, ones without l2norm. ZERO_BAD (k): 0 for a row with a NaN or inf element (its sum of squares is
-    NaN or inf; a sum of finite elements that overflows gives 0 too), so that the row's zeroed k stays zero."""
+def sum_squares(x, Tc, H, i_k, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Row sums of x^2 over K-block i_k of one chunk (x at its first row and head, row stride H * K): [BT] fp32,
+    0 past Tc. The K-blocks' sums add up to what l2norm_factor takes."""
     o_t = tl.arange(0, BT)
-    if USE_L2NORM:
-        b_ss = tl.zeros([BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            # [BT, BK]
-            b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
-                          mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        b_r = tl.rsqrt(b_ss + EPS)
-        if ZERO_BAD:
-            b_r = tl.where(b_ss == b_ss, b_r, 0.0)
-        return b_r
-    else:
-        return tl.full([BT], 1.0, dtype=tl.float32)
+    o_k = i_k * BK + tl.arange(0, BK)
+    # [BT, BK]
+    b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
+                  mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
+    return tl.sum(b_x * b_x, axis=1)
+
+
+@triton.jit
+def l2norm_factor(b_ss, EPS: tl.constexpr, ZERO_BAD: tl.constexpr):
+    """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), from the row sums of squares b_ss [BT].
+    ZERO_BAD (k): 0 for a row with a NaN or inf element (its sum of squares is NaN or inf; a sum of finite
+    elements that overflows gives 0 too), so that the row's zeroed k stays zero."""
+    b_r = tl.rsqrt(b_ss + EPS)
+    if ZERO_BAD:
+        b_r = tl.where(b_ss == b_ss, b_r, 0.0)
+    return b_r
 
 
 @triton.jit
@@ -365,7 +365,7 @@ def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
               USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
               HAS_LOWER_BOUND: tl.constexpr):
     """The activated log decay of one chunk and K-block: [BT, BK] fp32 (natural log units), 0 past Tc. NaN and
-    +inf are invalid inputs, -inf a full reset (callers: load_gam_block, gate_valid)."""
+    +inf are invalid inputs, -inf a full reset (caller: load_gam_block)."""
     b_g = gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K, BT, BK, USE_GATE, HAS_DT_BIAS)   # [BT, BK]
     if USE_GATE:
         b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
@@ -380,28 +380,6 @@ def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
 
 
 @triton.jit
-def gate_valid(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
-               HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-               HAS_LOWER_BOUND: tl.constexpr):
-    """[BT, BK]: where load_gate's activated gate is valid (not NaN, not +inf; True past Tc), mostly without
-    activating it. With the in-op gate and a = exp(A_log) in (0, inf), both forms are NaN exactly where
-    x = g + dt_bias is (softplus(+-inf) = inf / 0, sigmoid(+-inf) = 1 / 0, lower_bound is finite) and never
-    +inf; for any other a (an A_log of +-inf, NaN or past exp's range) the gate is activated and tested."""
-    b_x = gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K, BT, BK, USE_GATE, HAS_DT_BIAS)   # [BT, BK]
-    if USE_GATE:
-        ok = b_x == b_x
-        if HAS_A_LOG:
-            b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
-            if (b_a <= 0.0) | (b_a == float("inf")) | (b_a != b_a):   # rare
-                ok = load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
-                               USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND) < float("inf")
-    else:
-        ok = b_x < float("inf")
-    return ok
-
-
-@triton.jit
 def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
                    HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -409,15 +387,27 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
     """gam of one chunk and K-block: the in-chunk cumsum of the activated gate, [BT, BK] fp32 in log2 units.
 
     Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
-    so do invalid elements (NaN, +inf: selection; the W/U kernel finds their rows, common.gate_valid).
+    so do invalid elements (NaN, +inf: selection). Each element's lowest mantissa bit says whether the gate
+    element of its row was invalid (gam_valid); the change of at most 1 ulp is below fp32's own rounding of gam.
     """
     b_g = load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)
     # -inf is a valid full reset: a step below G_MIN decays to exactly 0 in fp32 either way (exp(-104) is below
     # the smallest fp32); raising it to G_MIN keeps the cumsum finite (g = -inf would make gam_i - gam_j =
     # -inf + inf = NaN) and well conditioned
-    b_g = tl.where(b_g < float("inf"), tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
-    return tl.cumsum(b_g, axis=0) * 1.4426950408889634
+    ok = b_g < float("inf")
+    b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
+    b_gam = tl.cumsum(b_g, axis=0) * 1.4426950408889634
+    # invalid elements marked in gam's lowest mantissa bit (set there, clear elsewhere; 1 ulp). ok is used in the
+    # layout of the cumsum's result: used in any other layout, the compiler loads and activates the gate twice
+    bits = b_gam.to(tl.int32, bitcast=True)
+    return tl.where(ok, bits & -2, bits | 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def gam_valid(b_g):
+    """Elementwise on gam as load_gam_block stores it: whether the gate element of that row was valid."""
+    return (b_g.to(tl.int32, bitcast=True) & 1) == 0
 
 
 @triton.jit

@@ -51,8 +51,9 @@ the chunk's first invalid row f come out as with a finite value there. This kern
 kernel (fwd_wu.py) does, and marks the rows from f on (NaN rows of qg, kd and gam: o = NaN from f on, and a NaN
 state leaving the chunk). Here a row reduction costs the autotuned forward ~10% on the H200 (~240 registers
 live); the W/U kernel has registers to spare. What this kernel passes on is elementwise: kbg is NaN where k is
-not finite, so that the W/U kernel, which reads kbg anyway, needs no second pass over k; it reads the raw gate
-and beta for their checks (common.gate_valid, load_beta).
+not finite or the gate is invalid (marked in gam's lowest mantissa bit by the pre-processing,
+common.load_gam_block), so that the W/U kernel, which reads kbg anyway, reads neither k nor the gate again; it
+reads the raw beta for its check (load_beta).
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, gate_args, kd_chunk, l2norm_rscale, length_jit, load_beta, load_gam_block,
-                     lowp_dot, tune_size)
+                     finite, gam_valid, gate_args, kd_chunk, l2norm_factor, length_jit, load_beta,
+                     load_gam_block, lowp_dot, sum_squares, tune_size)
 
 
 @triton.autotune(
@@ -130,17 +131,26 @@ def chunk_kda_fwd_kernel_intra(
     # elements zeroed (see "Non-finite inputs" above)
     b_beta, _ = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)    # [BT]
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
-    b_rq = l2norm_rscale(q, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, False)                 # [BT]
-    b_rk = l2norm_rscale(k, Tc, H, K, BT, BK, USE_L2NORM, L2NORM_EPS, True)                  # [BT]
-    if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
-        m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
-        tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
-        tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
+    # one pass over the K-blocks: the sums of squares of q and k, and the gate with its cumsum
+    b_ssq = tl.zeros([BT], dtype=tl.float32)
+    b_ssk = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
+        if USE_L2NORM:
+            b_ssq += sum_squares(q, Tc, H, i_k, K, BT, BK)
+            b_ssk += sum_squares(k, Tc, H, i_k, K, BT, BK)
         b_gam = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
                                USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
         tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
+    if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
+        b_rq = l2norm_factor(b_ssq, L2NORM_EPS, False)                                        # [BT]
+        b_rk = l2norm_factor(b_ssk, L2NORM_EPS, True)                                         # [BT]
+        m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
+        tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
+        tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
+    else:
+        b_rq = tl.full([BT], 1.0, dtype=tl.float32)
+        b_rk = tl.full([BT], 1.0, dtype=tl.float32)
     tl.debug_barrier()
 
     # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (raw q, k: the l2norm
@@ -164,8 +174,8 @@ def chunk_kda_fwd_kernel_intra(
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
         o_tk = o_t[:, None] * sg + o_k[None, :]
         tl.store(qg + o_tk, (b_q * (f_scale * b_rq)[:, None] * tl.exp2(b_g)).to(qg.dtype.element_ty), mask=m_tk)
-        # W's right operand: beta k exp2(gam), NaN where k is not finite (the W/U kernel's flags)
-        b_kbg = tl.where(ok_k, b_k * (b_beta * b_rk)[:, None] * tl.exp2(b_g), float("nan"))
+        # W's right operand: beta k exp2(gam), NaN where k or the gate is invalid (the W/U kernel's flags)
+        b_kbg = tl.where(ok_k & gam_valid(b_g), b_k * (b_beta * b_rk)[:, None] * tl.exp2(b_g), float("nan"))
         tl.store(kbg + o_tk, b_kbg.to(kbg.dtype.element_ty), mask=m_tk)
         b_kd = (b_k * b_rk[:, None] * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)
         if KD_T:

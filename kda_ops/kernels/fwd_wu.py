@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_row, kd_chunk,
-                     gate_args, gate_valid, length_jit, load_beta, lowp_dot, poison_rows, rows_bad, tune_size)
+                     length_jit, load_beta, lowp_dot, poison_rows, rows_bad, tune_size)
 from .fwd_intra import IntraOut
 
 
@@ -38,13 +38,11 @@ def chunk_kda_fwd_kernel_wu(
     qg, kd, gam,                             # the intra stage's, written only for a chunk with an invalid row
                                              #   (NaN rows): [B,T,HV,K], [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT],
                                              #   [B,T,HV,K] fp32
-    g, beta, A_log, dt_bias,                 # the op's inputs, read for the checks only: [B,T,HV,K], [B,T,HV],
-                                             #   [HV], [HV*K]
-    cu_seqlens, chunk_indices, lower_bound, T, N, HV, TUNE_SIZE,
+    beta,                                    # the op's input, read for its check only: [B,T,HV]
+    cu_seqlens, chunk_indices, T, N, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr, KD_T: tl.constexpr,
 ):
     """W = Tm kbg and U = Tm diag(beta) v of one (chunk, value head), from chunk_kda_fwd_kernel_intra's Tm and
@@ -52,9 +50,9 @@ def chunk_kda_fwd_kernel_wu(
     registers than the Aqk / inverse kernel, so more programs share an SM. In a bf16 forward both are bf16
     dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3).
     Non-finite inputs (fwd_intra.py's note): the intra kernel zeroed the invalid elements of k, g and beta and
-    wrote NaN into kbg where k is not finite; this one zeroes those kbg elements and v's at load. It finds the
-    chunk's invalid rows (kbg's NaN, the gate and beta checked from the inputs: common.gate_valid, load_beta,
-    and v) and, from the first one on, writes NaN rows into qg, kd and gam (common.poison_rows)."""
+    wrote NaN into kbg where k or the gate is invalid; this one zeroes those kbg elements and v's at load. It
+    finds the chunk's invalid rows (kbg's NaN, beta checked from the input: load_beta, and v) and, from the first
+    one on, writes NaN rows into qg, kd and gam (common.poison_rows)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
     t0 = bos + i_c * BT
@@ -92,10 +90,7 @@ def chunk_kda_fwd_kernel_wu(
         # [BT, BT] @ [BT, BK] -> [BT, BK]
         b_w = tl.dot(b_tm, tl.where(ok_k, b_kbg, 0.0).to(DOT_DT), input_precision=PREC)
         tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
-        # rows with a non-finite k or an activated gate NaN or +inf
-        ok_g = gate_valid(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
-                          USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)                  # [BT, BK]
-        bad = bad | rows_bad(ok_k & ok_g)
+        bad = bad | rows_bad(ok_k)                 # rows with a k or gate element invalid
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
@@ -116,21 +111,20 @@ def chunk_kda_fwd_wu(x: KDAInputs, opts: KDAOptions, intra: IntraOut, kbg: torch
                      idx: ChunkIndex) -> Tuple[torch.Tensor, torch.Tensor]:
     """W [B,T,HV,K] and U [B,T,HV,V] in kbg's dtype (bf16 dots when that is bf16) from the intra stage's
     activated beta [B,T,HV] fp32, Tm [B,T,HV,64] and kbg [B,T,HV,K] (chunk_kda_fwd_intra's) and x.v [B,T,HV,V].
-    x.g, x.beta, x.A_log, x.dt_bias (as chunk_kda_fwd_intra takes them) are read for the checks: writes NaN rows
-    into intra.qg, intra.kd and intra.gam from a chunk's first invalid row on."""
+    x.beta is read for its check: writes NaN rows into intra.qg, intra.kd and intra.gam from a chunk's first
+    invalid row on."""
     v = x.v
     B, T, HV, V = v.shape
     K = kbg.shape[-1]
     Tm = intra.Tm
     W = torch.empty(B, T, HV, K, dtype=kbg.dtype, device=v.device)
     U = torch.empty(B, T, HV, V, dtype=kbg.dtype, device=v.device)
-    gate = gate_args(x, opts)
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[(idx.NT_total, HV)](
-        v, intra.beta, Tm, kbg, W, U, intra.qg, intra.kd, intra.gam,
-        x.g, x.beta, absent(gate.A_log, v), absent(gate.dt_bias, v),
-        absent(idx.cu_seqlens, v), absent(idx.chunk_indices, v), gate.lower_bound, T, idx.N, HV,
+        v, intra.beta, Tm, kbg, W, U, intra.qg, intra.kd, intra.gam, x.beta,
+        absent(idx.cu_seqlens, v), absent(idx.chunk_indices, v), T, idx.N, HV,
         tune_size(B * T, HV), K=K, V=V, BT=Tm.shape[-1], BV=min(64, triton.next_power_of_2(V)),
-        **gate.flags, IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
+        USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
+        IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
         LOWP_DOT=kbg.dtype == torch.bfloat16 and lowp_dot(v.dtype), KD_T=intra.kd_t,
     )
     return W, U
