@@ -1,0 +1,43 @@
+"""benchmarks/gate_spans.py: the share of intra-chunk tiles on the fast path (CPU)."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gate_spans.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("kda_bench_gate_spans", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+spans = _load()
+
+
+def test_no_decay_is_all_fast():
+    assert spans.fast_shares(torch.zeros(2, 128, 3, 32), 16) == (1.0, 1.0)
+
+
+def test_one_step_past_span_sends_its_block_and_chunk_exact():
+    # one step of 100 nats (144 in log2, past SPAN = 60) at row 41 of every chunk, channel 0 only: in row block 2
+    # (rows 32-47, middle row 40) rows 41-47 are 144 from the middle; the other blocks keep a zero spread
+    g = torch.zeros(1, 128, 2, 32)
+    g[:, 41::64, :, 0] = -100.0
+    chunk, block = spans.fast_shares(g, 16)
+    assert chunk == pytest.approx(0.5)                # K-block 0 of each chunk is exact, K-block 1 fast
+    assert block == pytest.approx((0.75 + 1.0) / 2)   # in K-block 0 only row block 2 of 4 fails
+
+
+def test_cli_prints_every_regime():
+    out = subprocess.run([sys.executable, SCRIPT, "--shape", "1,128,2,32", "--block-k", "32"], cwd=ROOT,
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["weak", "layer_init", "strong", "safe_gate"]
