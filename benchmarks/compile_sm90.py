@@ -6,7 +6,7 @@
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
 config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.) --sass adds a line per build
 with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
-special-function MUFU, FFMA) or synchronisation (SHFL, BAR).
+special-function MUFU, FFMA) or synchronisation (SHFL, BAR), and the same counts for each loop of the build.
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -57,14 +57,31 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag):
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
     print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
     if SASS:
-        print(f"    sass {sass_counts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)}",
-              flush=True)
+        sass = subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout
+        print(f"    sass {sass_counts(sass)}", flush=True)
+        for line in sass_loops(sass):
+            print(f"      {line}", flush=True)
 
 
 def sass_counts(sass, ops=('LDG', 'STG', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
     """'N instructions, LDG n, ...' of a cuobjdump -sass listing (opcodes without their modifiers)."""
     insts = re.findall(r'^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)', sass, re.M)
     return f"{len(insts)} instructions, " + ", ".join(f"{op} {insts.count(op)}" for op in ops)
+
+
+def sass_loops(sass):
+    """One line per loop of a cuobjdump -sass listing (a backward branch and the code it jumps back over; an
+    outer loop's line counts its inner loops too): its address range and the counts of sass_counts."""
+    insts = re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P[T0-9]+\s+)?[A-Z0-9_]+[^;]*);', sass, re.M)
+    addr = [(int(a, 16), t) for a, t in insts]
+    lines = []
+    for a, t in addr:
+        m = re.match(r'(?:@!?U?P[T0-9]+\s+)?BRA\s+0x([0-9a-f]+)', t)
+        if m and int(m.group(1), 16) < a:
+            lo = int(m.group(1), 16)
+            body = "\n".join(f"        /*{b:04x}*/ {x} ;" for b, x in addr if lo <= b <= a)
+            lines.append(f"loop {lo:#x}-{a:#x}: {sass_counts(body)}")
+    return lines
 
 
 def mn_a16(ttgir):
