@@ -68,7 +68,8 @@ def render(rows):
     sel = select(rows)
     if not sel:
         return "No measurements yet.\n"
-    runs = sorted({(r["gpu"], r["torch"], r["triton"], (f or {}).get("fla", "")) for _, r, f in sel})
+    # the FLA version of a run: its peer row's, or ours (a run with FLA installed whose FLA measurement is missing)
+    runs = sorted({(r["gpu"], r["torch"], r["triton"], (f or r).get("fla", "")) for _, r, f in sel})
     lines = []
     for gpu, torch_v, triton_v, fla_v in runs:
         lines.append(f"{gpu}, torch {torch_v}, triton {triton_v}" + (f", FLA {fla_v}" if fla_v else "") +

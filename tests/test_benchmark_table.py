@@ -54,6 +54,15 @@ def test_render_fixture():
     assert table.render(_rows(FIXTURE)) == EXPECTED
 
 
+def test_missing_peer_keeps_the_run_header():
+    # a run with FLA installed whose FLA row is missing is still the FLA run: no header line of its own
+    rows = [r for r in _rows(FIXTURE) if r["regime"] != "safe_gate"]
+    out = table.render(rows)
+    assert out.splitlines()[0] == ("GPU X, torch 2.11, triton 3.6, FLA 0.6.0; bf16, gate + q/k l2norm + beta sigmoid "
+                                   "inside the op.")
+    assert out.splitlines()[1] == ""
+
+
 def test_latest_row_wins_on_equal_dates():
     extra = "2026-01-02,bbbbbbb,GPU X,2.11,3.6,0.6.0,kda_ops,fwd,weak,1,64,2,16,16,0.7500,10.0\n"
     out = table.render(_rows(FIXTURE + extra))
