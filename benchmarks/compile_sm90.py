@@ -57,31 +57,30 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag):
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
     print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
     if SASS:
-        sass = subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout
-        print(f"    sass {sass_counts(sass)}", flush=True)
-        for line in sass_loops(sass):
+        insts = sass_insts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)
+        print(f"    sass {sass_counts(insts)}", flush=True)
+        for line in sass_loops(insts):
             print(f"      {line}", flush=True)
 
 
-def sass_counts(sass, ops=('LDG', 'STG', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
-    """'N instructions, LDG n, ...' of a cuobjdump -sass listing (opcodes without their modifiers)."""
-    insts = re.findall(r'^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)', sass, re.M)
-    return f"{len(insts)} instructions, " + ", ".join(f"{op} {insts.count(op)}" for op in ops)
+def sass_insts(sass):
+    """[(address, opcode without modifiers, branch target or None)] of a cuobjdump -sass listing."""
+    insts = re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)([^;]*);', sass, re.M)
+    return [(int(a, 16), op, int(m.group(1), 16) if op == 'BRA' and (m := re.search(r'0x([0-9a-f]+)', rest))
+             else None) for a, op, rest in insts]
 
 
-def sass_loops(sass):
-    """One line per loop of a cuobjdump -sass listing (a backward branch and the code it jumps back over; an
-    outer loop's line counts its inner loops too): its address range and the counts of sass_counts."""
-    insts = re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P[T0-9]+\s+)?[A-Z0-9_]+[^;]*);', sass, re.M)
-    addr = [(int(a, 16), t) for a, t in insts]
-    lines = []
-    for a, t in addr:
-        m = re.match(r'(?:@!?U?P[T0-9]+\s+)?BRA\s+0x([0-9a-f]+)', t)
-        if m and int(m.group(1), 16) < a:
-            lo = int(m.group(1), 16)
-            body = "\n".join(f"        /*{b:04x}*/ {x} ;" for b, x in addr if lo <= b <= a)
-            lines.append(f"loop {lo:#x}-{a:#x}: {sass_counts(body)}")
-    return lines
+def sass_counts(insts, ops=('LDG', 'STG', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
+    """'N instructions, LDG n, ...' of sass_insts' list."""
+    names = [op for _, op, _ in insts]
+    return f"{len(names)} instructions, " + ", ".join(f"{op} {names.count(op)}" for op in ops)
+
+
+def sass_loops(insts):
+    """One line per loop of sass_insts' list (a backward branch and the code it jumps back over; an outer loop's
+    line counts its inner loops too): its address range and sass_counts of its instructions."""
+    return [f"loop {lo:#x}-{a:#x}: {sass_counts([i for i in insts if lo <= i[0] <= a])}"
+            for a, _, lo in insts if lo is not None and lo < a]
 
 
 def mn_a16(ttgir):
