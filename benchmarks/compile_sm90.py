@@ -38,7 +38,7 @@ OUT = tempfile.mkdtemp(prefix="kda_sm90_")
 target = GPUTarget("cuda", 90, 32)
 cuobj = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump')
 
-def comp(jf, names, types, consts, num_warps, num_stages, tag):
+def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
     """Compile jf for sm_90: names / types of its runtime arguments, consts its constexprs; print one line."""
     sig = dict(zip(names, types), **{kk: 'constexpr' for kk in consts})
     fn = jf
@@ -48,7 +48,8 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag):
     t = time.time()
     try:
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+                           options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                           **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     except Exception as e:
         print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:300]}"); return
     path = os.path.join(OUT, f'{tag}.cubin')
@@ -157,14 +158,14 @@ def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
     comp(chunk_kda_bwd_kernel_inter, names, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
 
 
-def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, **flags):
+def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, maxnreg=None, **flags):
     """The backward row-block kernel (q, k in dt; gam, dAqk, dM, dq, dk, dgam fp32)."""
     names = ['q','k','rq','rk','gam','beta','dAqk','dM','beta_raw','dq','dk','dgam','dbeta_p','dbeta','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
     types = [f'*{dt}']*2 + ['*fp32']*3 + [f'*{dt}'] + ['*fp32']*2 + [f'*{dt}'] + ['*fp32']*4 + [f'*{dt}'] + ['*i32','*i32','i32','i32','i32','i32','i32']
     c = dict(K=K, BT=64, BC=16, BK=BK, USE_L2NORM=True, USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False,
              PREC='ieee' if dt=='fp32' else 'tf32')
     c.update(flags)
-    comp(chunk_kda_bwd_kernel_intra, names, types, c, w, s, f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}")
+    comp(chunk_kda_bwd_kernel_intra, names, types, c, w, s, f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}", maxnreg)
 
 
 def gate_bwd(dt='bf16', K=128, w=4, **flags):
@@ -207,7 +208,7 @@ if __name__ == '__main__':
     if 'intra_bwd' in what:
         for cf in chunk_kda_bwd_kernel_intra.configs:
             for dt, K in (('bf16', 128), ('bf16', 256), ('fp32', 128), ('bf16', 80)):
-                intra_bwd(dt, K=K, BK=cf.kwargs['BK'], w=cf.num_warps, s=cf.num_stages)
+                intra_bwd(dt, K=K, BK=cf.kwargs['BK'], w=cf.num_warps, s=cf.num_stages, maxnreg=cf.maxnreg)
         gate_bwd(); gate_bwd(USE_LOWER_BOUND=True); gate_bwd(K=256)
     if 'state' in what:
         for K in (128, 256, 64, 100):

@@ -23,9 +23,10 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
      <= 1;
    * exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the dots cover the earlier
      blocks only, factored around block r's first row (row direction), and the later blocks only, factored
-     around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is then
-     added exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step s pairs each row of the
-     block with the block's s-th row).
+     around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is done
+     first, exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step s pairs each row of the
+     block with the block's s-th row), and added to dq, dk and dGam on its own (exact_diagonal): a second
+     read-modify-write of block r's rows, in place of converting each step's terms into the dots' layout.
    It completes dq and dk of its rows in place, writes its rows' dGam (bwd_inter's dgam plus the terms above)
    over the dgam buffer, and writes its rows' dbeta (<k_i, X_i> summed over K-blocks, plus bwd_inter's, through
    the beta chain rule).
@@ -47,12 +48,15 @@ from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, chunk_b
 @triton.autotune(
     configs=autotune_configs([
         # the first one (the interpreter's) fits every K up to 256 and fp32 inputs
-        # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd), no spills:
-        # 168 (three programs per SM), 126 (one K-block: two programs of 8 warps), 253, 165
+        # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd):
+        # 168 (three programs per SM), 128 (one K-block: two programs of 8 warps; capped, else 154, with a
+        # 16-byte spill outside the loops; at K = 256 the capped build spills 280 bytes, hence the uncapped
+        # one beside it), 255, 168 (capped, else 229)
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 128}, num_warps=8, num_stages=1, maxnreg=128),
         triton.Config({"BK": 128}, num_warps=8, num_stages=1),
         triton.Config({"BK": 64}, num_warps=4, num_stages=1),
-        triton.Config({"BK": 16}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 16}, num_warps=4, num_stages=1, maxnreg=168),
     ]),
     key=["K", "PREC", "TUNE_SIZE"],
     restore_value=["dq", "dk", "dgam"],
@@ -162,64 +166,30 @@ def chunk_kda_bwd_kernel_intra(
         b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
         b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], SPAN))
         b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN))
-        if b_span > SPAN:
-            b_dqa *= b_ea
-            b_x *= b_ea
-            b_dka *= b_eb
-            # exact diagonal block: step s pairs the rows t of block r with its row u = r0 + s; (t, u) is a
-            # row-direction pair when u <= t, a column-direction pair (u, t) when u >= t
-            for s in range(tl.minimum(BC, Tc - r0)):
-                o_u = tl.full([1], r0 + s, tl.int32)
-                m_u = o_u < Tc
-                # [1, BK] row u
-                b_ku = load_rows(k, rk, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
-                b_qu = load_rows(q, rq, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
-                b_d = b_gi - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_u[:, None] & m_k[None, :],
-                                     other=0.0)
-                # [BC] P[t, u], dM[t, u] (u <= t), P[u, t], beta_u dM[u, t] (u >= t)
-                b_ptu = tl.load(dAqk + o_i * sa + o_u, mask=m_i & (o_u <= o_i), other=0.0)
-                b_mtu = tl.load(dM + o_i * sa + o_u, mask=m_i & (o_u < o_i), other=0.0)
-                b_put = tl.load(dAqk + o_u * sa + o_i, mask=m_u & (o_u >= o_i), other=0.0)
-                b_mut = tl.load(dM + o_u * sa + o_i, mask=m_u & (o_u > o_i), other=0.0)
-                b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
-                # [BC, BK] e(t, u) = exp2(gam_t - gam_u) where u <= t and e(u, t) where u >= t: both are
-                # exp2(-|gam_t - gam_u|) there (gam does not increase: g <= 0 is the op's contract), one exp2
-                # for the two (<= 1)
-                b_e = tl.exp2(-tl.abs(b_d))
-                b_dqa += b_ptu[:, None] * b_ku * b_e
-                b_x += b_mtu[:, None] * b_ku * b_e
-                b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_e
-            b_corr = tl.zeros([BC, BK], dtype=tl.float32)
-        else:
+        b_corr = tl.zeros([BC, BK], dtype=tl.float32)
+        if PREC == "tf32" and b_span <= SPAN:
             # dGam's pair terms: q_i ea dq_a + beta_i k_i ea X - k_i eb dk_a. Each multiplier is replaced by the
             # tf32 value the other direction's dot took for the same row of block r (its own-block operand), so
             # that the two terms of every pair of the diagonal block cancel in dA_log / ddt_bias as in exact
-            # arithmetic; the residues go into b_corr (zero with IEEE dots). In this branch only, so that
-            # nothing more is live across the exact diagonal's loop.
-            b_corr = tl.zeros([BC, BK], dtype=tl.float32)
-            if PREC == "tf32":
-                b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
-                b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
-                b_v = b_qi * b_ea
-                b_corr += (tf32_round(b_v, PREC) - b_v) * b_dqa
-                b_v = b_ki * (b_bi[:, None] * b_ea)
-                b_corr += (tf32_round(b_v, PREC) - b_v) * b_x
-                b_v = b_ki * b_eb
-                b_corr -= (tf32_round(b_v, PREC) - b_v) * b_dka
-            b_dqa *= b_ea
-            b_x *= b_ea
-            b_dka *= b_eb
-
-        b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
-        b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
-        # [BC, BK] combine with the stage-2 terms of block r's rows
-        b_dkai = b_bi[:, None] * b_x
-        tl.store(dq + p_ik, tl.load(dq + p_ik, mask=m_ik, other=0.0) + b_dqa, mask=m_ik)
-        tl.store(dk + p_ik, tl.load(dk + p_ik, mask=m_ik, other=0.0) + b_dka + b_dkai, mask=m_ik)
-        b_dgam = tl.load(dgam + p_ik, mask=m_ik, other=0.0) + b_qi * b_dqa + b_ki * (b_dkai - b_dka) + b_corr
-        tl.store(dgam + p_ik, b_dgam, mask=m_ik)
-        # dbeta_i += <k_i, X_i>
-        b_db += tl.sum(b_ki * b_x, 1)
+            # arithmetic; the residues go into b_corr (zero with IEEE dots). On the exact path the dots do not
+            # cover the diagonal block.
+            b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+            b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+            b_v = b_qi * b_ea
+            b_corr += (tf32_round(b_v, PREC) - b_v) * b_dqa
+            b_v = b_ki * (b_bi[:, None] * b_ea)
+            b_corr += (tf32_round(b_v, PREC) - b_v) * b_x
+            b_v = b_ki * b_eb
+            b_corr -= (tf32_round(b_v, PREC) - b_v) * b_dka
+        b_dqa *= b_ea
+        b_x *= b_ea
+        b_dka *= b_eb
+        b_db += add_terms(q, k, rq, rk, dq, dk, dgam, o_i, m_i, o_k, m_k, b_bi, b_dqa, b_x, b_dka, b_corr,
+                          sq, sg, H, USE_L2NORM)
+        if b_span > SPAN:
+            tl.debug_barrier()      # the stores above before the second read-modify-write of the same rows
+            b_db += exact_diagonal(q, k, rq, rk, gam, beta, dAqk, dM, dq, dk, dgam, o_i, m_i, o_k, m_k, r0, Tc,
+                                   b_bi, sq, sg, sa, H, HV, BC, BK, USE_L2NORM)
 
     # [BC]
     b_db += tl.load(dbeta_p + o_i * HV, mask=m_i, other=0.0)
@@ -229,6 +199,59 @@ def chunk_kda_bwd_kernel_intra(
         if ALLOW_NEG_EIGVAL:
             b_db = 2.0 * b_db
     tl.store(dbeta + o_i * HV, b_db.to(dbeta.dtype.element_ty), mask=m_i)
+
+
+@triton.jit
+def add_terms(q, k, rq, rk, dq, dk, dgam, o_i, m_i, o_k, m_k, b_bi, b_dqa, b_x, b_dka, b_corr, sq, sg, H,
+              USE_L2NORM: tl.constexpr):
+    """Adds pair terms of block r's rows [BC, BK] (dq_a, X, dk_a and dGam's correction b_corr) to the rows'
+    dq, dk and dGam in place; returns their dbeta terms <k_i, X_i> [BC]."""
+    p_ik = o_i[:, None] * sg + o_k[None, :]
+    m_ik = m_i[:, None] & m_k[None, :]
+    b_qi = load_rows(q, rq, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+    b_ki = load_rows(k, rk, o_i, m_i, o_k, m_k, sq, H, USE_L2NORM)
+    b_dkai = b_bi[:, None] * b_x
+    tl.store(dq + p_ik, tl.load(dq + p_ik, mask=m_ik, other=0.0) + b_dqa, mask=m_ik)
+    tl.store(dk + p_ik, tl.load(dk + p_ik, mask=m_ik, other=0.0) + b_dka + b_dkai, mask=m_ik)
+    b_dgam = tl.load(dgam + p_ik, mask=m_ik, other=0.0) + b_qi * b_dqa + b_ki * (b_dkai - b_dka) + b_corr
+    tl.store(dgam + p_ik, b_dgam, mask=m_ik)
+    return tl.sum(b_ki * b_x, 1)
+
+
+@triton.jit
+def exact_diagonal(q, k, rq, rk, gam, beta, dAqk, dM, dq, dk, dgam, o_i, m_i, o_k, m_k, r0, Tc, b_bi,
+                   sq, sg, sa, H, HV, BC: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """The pairs of the diagonal block r exactly, for one K-block: step s pairs the rows t of block r with its
+    row u = r0 + s; (t, u) is a row-direction pair when u <= t, a column-direction pair (u, t) when u >= t.
+    The terms are added to dq, dk and dGam here (add_terms) and their dbeta terms returned: kept apart from
+    the dots' accumulators, they stay in the layout they are loaded in, and the dots' accumulators are not
+    live across the 16 steps."""
+    b_gi = tl.load(gam + o_i[:, None] * sg + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
+    b_dqa = tl.zeros([BC, BK], dtype=tl.float32)
+    b_x = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dka = tl.zeros([BC, BK], dtype=tl.float32)
+    for s in range(tl.minimum(BC, Tc - r0)):
+        o_u = tl.full([1], r0 + s, tl.int32)
+        m_u = o_u < Tc
+        # [1, BK] row u
+        b_ku = load_rows(k, rk, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
+        b_qu = load_rows(q, rq, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
+        b_d = b_gi - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_u[:, None] & m_k[None, :], other=0.0)
+        # [BC] P[t, u], dM[t, u] (u <= t), P[u, t], beta_u dM[u, t] (u >= t)
+        b_ptu = tl.load(dAqk + o_i * sa + o_u, mask=m_i & (o_u <= o_i), other=0.0)
+        b_mtu = tl.load(dM + o_i * sa + o_u, mask=m_i & (o_u < o_i), other=0.0)
+        b_put = tl.load(dAqk + o_u * sa + o_i, mask=m_u & (o_u >= o_i), other=0.0)
+        b_mut = tl.load(dM + o_u * sa + o_i, mask=m_u & (o_u > o_i), other=0.0)
+        b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
+        # [BC, BK] e(t, u) = exp2(gam_t - gam_u) where u <= t and e(u, t) where u >= t: both are
+        # exp2(-|gam_t - gam_u|) there (gam does not increase: g <= 0 is the op's contract), one exp2 for the
+        # two (<= 1)
+        b_e = tl.exp2(-tl.abs(b_d))
+        b_dqa += b_ptu[:, None] * b_ku * b_e
+        b_x += b_mtu[:, None] * b_ku * b_e
+        b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_e
+    return add_terms(q, k, rq, rk, dq, dk, dgam, o_i, m_i, o_k, m_k, b_bi, b_dqa, b_x, b_dka,
+                     tl.zeros([BC, BK], dtype=tl.float32), sq, sg, H, USE_L2NORM)
 
 
 def chunk_kda_bwd_intra(
