@@ -39,7 +39,8 @@ SHAPES = [(1, 512, 32), (1, 1024, 32), (1, 2048, 32), (1, 4096, 32), (1, 8192, 3
 
 
 def config_name(c) -> str:
-    return ",".join(f"{k}{v}" for k, v in c.kwargs.items()) + f",w{c.num_warps},s{c.num_stages}"
+    cap = f",r{c.maxnreg}" if getattr(c, "maxnreg", None) else ""
+    return ",".join(f"{k}{v}" for k, v in c.kwargs.items()) + f",w{c.num_warps},s{c.num_stages}" + cap
 
 
 def sweep(shapes, regimes, D):
