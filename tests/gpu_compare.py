@@ -2,6 +2,9 @@
 with its gradients by name, and the markdown tables they print."""
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 
 # the gradient of each input, by the input's name
@@ -40,6 +43,53 @@ def load_fla():
     except ImportError as e:
         return None, f"{type(e).__name__}: {e}"
     return chunk_kda, ""
+
+
+def fla_autotuners() -> list:
+    """The Triton autotuners of FLA's modules imported so far (a module attribute, or the autotuner under a
+    heuristics wrapper)."""
+    from triton.runtime.autotuner import Autotuner
+    found = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for obj in list(vars(mod).values()):
+            for o in (obj, getattr(obj, "fn", None)):
+                if isinstance(o, Autotuner):
+                    found[id(o)] = o
+    return list(found.values())
+
+
+_FIRST_CONFIG_CACHE: dict = {}   # id(autotuner) -> its tuned keys under fla_first_configs
+
+
+@contextlib.contextmanager
+def fla_first_configs():
+    """Inside the block (an FLA forward and its backward) each FLA autotuner runs the first of its configs that
+    its own pruning keeps; after it, each is as before (its configs, its cache of tuned keys). The accuracy
+    tests compare errors, which do not need FLA's tuning, and that tuning compiles every config of every FLA
+    kernel at each new shape (minutes per shape on the H200). KDA_OPS_FLA_AUTOTUNE=1 keeps FLA's tuning."""
+    import os
+    if os.environ.get("KDA_OPS_FLA_AUTOTUNE") == "1":
+        yield
+        return
+    saved = []
+    for t in fla_autotuners():
+        saved.append((t, t.__dict__.get("prune_configs"), dict(t.cache)))
+        t.prune_configs = lambda kwargs, _prune=t.prune_configs: _prune(kwargs)[:1]
+        t.cache.clear()
+        t.cache.update(_FIRST_CONFIG_CACHE.get(id(t), {}))
+    try:
+        yield
+    finally:
+        for t, own, cache in saved:
+            _FIRST_CONFIG_CACHE[id(t)] = dict(t.cache)
+            if own is None:
+                del t.prune_configs
+            else:
+                t.prune_configs = own
+            t.cache.clear()
+            t.cache.update(cache)
 
 
 def fla_call(chunk_kda):

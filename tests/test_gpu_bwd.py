@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_compare import FLA_BOUNDED, FLA_FACTOR, require_fla
+from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fla_first_configs, require_fla
 from kda_case import BF16_TOL as TOL, Case, op_grads, reference_grads, rel_rms
 
 pytestmark = [
@@ -126,8 +126,9 @@ def test_bwd_public_op_compiled(c, with_dht):
     bound = dict(TOL)
     fla = require_fla()
     if fla is not None:
-        theirs = op_grads(fla, inputs, dict(kw, output_final_state=True), do,
-                          dht if with_dht else torch.zeros_like(dht))
+        with fla_first_configs():
+            theirs = op_grads(fla, inputs, dict(kw, output_final_state=True), do,
+                              dht if with_dht else torch.zeros_like(dht))
         bound.update({n: FLA_FACTOR * rel_rms(theirs[n], ref[n]) for n in FLA_BOUNDED})
     bad = {n: (e, bound[n]) for n, e in errs.items() if not e <= bound[n]}
     print(f"{c.id}: {errs}; dA_log / ddt_bias bounds {[bound[n] for n in FLA_BOUNDED]}")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_compare import FLA_FACTOR, require_fla
+from gpu_compare import FLA_FACTOR, fla_first_configs, require_fla
 from kda_case import rel_rms
 from kda_ops.layers import KDAConfig, KDALanguageModel
 
@@ -71,7 +71,8 @@ def test_lm_gradients_match_fp64(T, autocast, tol, lower_bound):
         assert total <= tol, total
         fla = require_fla()
         if fla is not None:
-            _, theirs = fla_model_grads(model, ids, fla)
+            with fla_first_configs():
+                _, theirs = fla_model_grads(model, ids, fla)
             bound = {n: FLA_FACTOR * rel_rms(g.double().cpu(), ref[n]) for n, g in theirs.items() if ref[n].dim() < 2}
             print(f"1-D parameters, kda_ops / bound: { {n: (errs[n], b) for n, b in bound.items()} }")
             bad = {n: (errs[n], b) for n, b in bound.items() if not errs[n] <= b}

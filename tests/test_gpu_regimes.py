@@ -12,7 +12,8 @@ over every token of a head with heavy cancellation, and their relative error ove
 one input draw to the next for any bf16 kernel (FLA's included: over 96 draws, each implementation's error was
 more than 1.5x the other's on 15-26 of them). They are bounded per regime, pooled over the regime's inputs
 (the root mean square of the per-input errors): at most FLA_FACTOR x FLA's pooled error (fla.ops.kda.chunk_kda;
-safe_gate=True, lower_bound=-5 in the safe_gate regime) on the same inputs, measured in the same test; at most
+safe_gate=True, lower_bound=-5 in the safe_gate regime; each FLA kernel on its first config,
+gpu_compare.fla_first_configs) on the same inputs, measured in the same test; at most
 BF16_TOL's 2e-2 when FLA is not importable (KDA_OPS_REQUIRE_FLA=1 turns a missing FLA into a failure). Every
 error is printed, per input and as one table at the end of the module (pytest -s shows it):
 
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 import kda_ops
-from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fmt, load_fla, markdown_table, require_fla, run
+from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fla_first_configs, fmt, load_fla, markdown_table, require_fla, run
 from kda_case import BF16_TOL, rel_rms, stable_seed
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -106,7 +107,8 @@ def one_input(regime: str, shape: str, seed: int, fla_fn):
     fla = None
     if fla_fn is not None:
         try:
-            fla = run(fla_fn, x, do, dht)
+            with fla_first_configs():
+                fla = run(fla_fn, x, do, dht)
         except Exception as e:                        # reported as a failure, after the table
             problems.append(f"seed {seed}: FLA raised {type(e).__name__}: {e}")
     ours, theirs = {}, {}
