@@ -136,7 +136,7 @@ def reference_grads(inputs, kw, do, dht):
 PUBLIC_OPS = ("chunk_kda_v1", "recurrent_kda_v1")
 PRIVATE_OPS = ("_chunk_kda_fwd", "_chunk_kda_bwd", "_chunk_kda_fwd_torch", "_chunk_kda_bwd_torch",
                "_recurrent_kda_torch")
-# TEMPORARY: the names these ops had before the versioned / private names; remove with the rename.
+
 
 def kda_op(name: str):
     """The OpOverload ``torch.ops.kda_ops.<name>.default``."""
