@@ -2,7 +2,8 @@
 
 For each regime of kda_ops.testing.REGIMES (gate, l2norm and beta sigmoid in the op; lower_bound=-5 in
 safe_gate), three shapes with odd sizes (K=100, V=60 with HV=2H; varlen with a sequence shorter than a chunk;
-K=V=128 at T=1000) and SEEDS input draws of each (4; KDA_OPS_REGIME_SEEDS=N for more): o and the final state,
+K=V=128 at T=1000) and SEEDS input draws of each (4; KDA_OPS_REGIME_SEEDS=N for more; fewer pool too few
+draws for the dA_log bound below, docs/precision.md "Against FLA"): o and the final state,
 and the gradients of q, k, v, g, beta, A_log, dt_bias and the initial state for the loss <o, do> + <ht, dht>,
 as relative RMS against autograd through kda_ops.naive_recurrent_kda in float64, run on the GPU on the same
 inputs upcast.
