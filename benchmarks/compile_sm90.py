@@ -49,7 +49,7 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
     try:
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
                            options=dict(num_warps=num_warps, num_stages=num_stages,
-                                                           **({} if maxnreg is None else dict(maxnreg=maxnreg))))
+                                        **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     except Exception as e:
         print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:300]}"); return
     path = os.path.join(OUT, f'{tag}.cubin')
