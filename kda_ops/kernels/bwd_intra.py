@@ -48,10 +48,10 @@ from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, chunk_b
 @triton.autotune(
     configs=autotune_configs([
         # the first one (the interpreter's) fits every K up to 256 and fp32 inputs
-        # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd):
-        # 168 (three programs per SM), 128 (one K-block: two programs of 8 warps; capped, else 154, with a
-        # 16-byte spill outside the loops; at K = 256 the capped build spills 280 bytes, hence the uncapped
-        # one beside it), 255, 168 (capped, else 229)
+        # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd), in order:
+        # 168 with a 16-byte spill (three programs per SM); 128 capped with a 16-byte spill outside the loops
+        # (one K-block: two programs of 8 warps; 280 bytes at K = 256, hence the uncapped twin); 154 (255 at
+        # K = 256); 255; 160 (capped at 168, else 229)
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),
         triton.Config({"BK": 128}, num_warps=8, num_stages=1, maxnreg=128),
         triton.Config({"BK": 128}, num_warps=8, num_stages=1),
