@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_compare import FLA_BOUNDED, FLA_FACTOR, fla_first_configs, require_fla
 from kda_case import BF16_TOL as TOL, Case, op_grads, reference_grads, rel_rms
 
 pytestmark = [
@@ -118,18 +117,12 @@ def test_bwd_public_op_compiled(c, with_dht):
     # and the bf16 roundings that order flips
     diff = {n: rel_rms(x, eager[n]) for n, x in got.items()}
     assert all(e <= 1e-3 for e in diff.values()), f"compiled vs eager: {diff}"
-    # and against fp64; dA_log / ddt_bias (sums over every token, whose bf16 error depends on how much the sum
-    # cancels) within FLA_FACTOR x FLA's error on the same inputs, or TOL without FLA
+    # and against fp64 within TOL. dA_log / ddt_bias are compared with FLA in tests/test_gpu_regimes.py, pooled
+    # over many inputs: on one input the ratio of the two errors swings too far for a bound (over 96 draws,
+    # kda_ops' error was more than 1.5x FLA's on 15, FLA's more than 1.5x kda_ops' on 26; docs/precision.md)
     errs = {n: rel_rms(x, ref[n]) for n, x in got.items() if n in ref}
     if not with_dht:
         errs.pop("ht", None)
-    bound = dict(TOL)
-    fla = require_fla()
-    if fla is not None:
-        with fla_first_configs():
-            theirs = op_grads(fla, inputs, dict(kw, output_final_state=True), do,
-                              dht if with_dht else torch.zeros_like(dht))
-        bound.update({n: FLA_FACTOR * rel_rms(theirs[n], ref[n]) for n in FLA_BOUNDED})
-    bad = {n: (e, bound[n]) for n, e in errs.items() if not e <= bound[n]}
-    print(f"{c.id}: {errs}; dA_log / ddt_bias bounds {[bound[n] for n in FLA_BOUNDED]}")
+    bad = {n: (e, TOL[n]) for n, e in errs.items() if not e <= TOL[n]}
+    print(f"{c.id}: {errs}")
     assert not bad, f"relative RMS over its bound (error, bound): {bad} (all: {errs})"
