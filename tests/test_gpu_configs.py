@@ -6,7 +6,8 @@ would be the first to find out. Here each kernel runs in its own process (a faul
 context), which pins the kernel to one config after another and checks forward + backward of the public op
 on a varlen case with GVA, in-op pre-processing and an initial state (K = 128), and on K = 256 and K = 64.
 A config that does not fit in shared memory at a size is skipped there, as the autotuner skips it; the first
-config (the one that runs without autotuning) must fit at every size.
+config (the one that runs without autotuning) must fit at every size, and every other config at one size at
+least.
 
     python -m pytest -q -m gpu tests/test_gpu_configs.py
 """
@@ -53,6 +54,7 @@ def run_all_configs(name: str) -> int:
     kernel = find(name)
     configs = list(kernel.configs)
     failed = 0
+    checked = set()          # configs that ran at some size
     # K = 128 (the benchmark's size) varlen with GVA; K = 256 and K = 64 fixed length (configs that fit only
     # there, or spill there, have faulted before at sizes the first case does not reach: an inter config that
     # faulted at K = 64 alone)
@@ -78,11 +80,15 @@ def run_all_configs(name: str) -> int:
                 print(f"{c.id} config {i}: {'FAIL ' if i == 0 else ''}does not fit ({e})", flush=True)
                 failed += i == 0
                 continue
+            checked.add(i)
             errs = {n: rel_rms(x, ref[n]) for n, x in got.items()}
             bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
             print(f"{c.id} config {i}: {'FAIL ' + str(bad) if bad else 'ok'} (max {max(errs.values()):.2e})",
                   flush=True)
             failed += bool(bad)
+    for i in sorted(set(range(len(configs))) - checked):   # a config no case could check
+        print(f"config {i}: FAIL fits at none of the sizes: {configs[i]}", flush=True)
+        failed += 1
     return failed
 
 
