@@ -444,6 +444,26 @@ def test_nonfinite_causal_in_chunk(layout, in_op):
 
 
 @interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_negative_zeros_are_valid(dtype):
+    """-0.0 and tiny negative keys are valid: W's operand kbg marks an invalid element -0.0 (fwd_intra.py), so a
+    valid product beta k exp2(gam) that is -0.0, or rounds to it in bf16, must not read as a mark. A k row of
+    -0.0 and keys of -1e-39 / -1e-44 (denormal products) give the recurrence's answer, finite (no NaN rows)."""
+    c = Case(B=1, T=70, H=1, HV=2, K=16, V=16, dtype=dtype)
+    (q, k, v, g, beta), kw = c.make(seed=7)
+    k = k.clone()
+    k[0, 10] = -0.0
+    k[0, 40, :, :8] = -1e-39
+    k[0, 66, :, 3] = -1e-44
+    o, ht = fwd([q, k, v, g.to(dtype), beta.to(dtype)], kw)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    d = lambda x: x.double()  # noqa: E731
+    ro, rht = naive_recurrent_kda(d(q), d(k), d(v), d(g), d(beta), scale=c.K ** -0.5,
+                                  **{n: d(x) if isinstance(x, torch.Tensor) else x for n, x in kw.items()})
+    assert rel_rms(o, ro) <= TOL[dtype] and rel_rms(ht, rht) <= TOL[dtype]
+
+
+@interpreter_only
 @pytest.mark.parametrize("in_op", [True, False], ids=["inop", "plain"])
 def test_nan_gate_replaced_by_zero(in_op):
     """An invalid gate row counts as a zero log decay: without the in-op gate, o before the bad token is bitwise
@@ -543,4 +563,4 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 3 + 3 + 5 + 10 + 2 + 2 + 4 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]
+    assert f"{len(CASES) + 3 + 3 + 5 + 10 + 2 + 2 + 4 + 2 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]

@@ -271,9 +271,34 @@ def finite(x):
 
 
 @triton.jit
-def rows_bad(ok):
-    """[BT] per row of ok [BT, N]: whether the row has a False (a reduction along each row only)."""
-    return tl.max(tl.where(ok, 0, 1), axis=1) > 0
+def mark_invalid(x, ok, DT: tl.constexpr):
+    """x in dtype DT (fp32 or a 16-bit float) where ok, -0.0 where not: the mark of an invalid element
+    (rows_marked). A valid x below fp32's smallest normal in magnitude (zeros of either sign included) becomes
+    +0.0, so that no valid element reads as a mark, in fp32 or rounded to 16 bits; as a dot operand a mark is a
+    zero. The mark is set on the integer bits: a -0.0 float constant selected after the conversion to bf16 lost
+    its sign in the sm_90 build (triton 3.6)."""
+    y = tl.where(tl.abs(x) < 1.1754943508222875e-38, 0.0, x).to(DT)
+    if DT.primitive_bitwidth == 16:
+        return tl.where(ok, y.to(tl.int16, bitcast=True), -32768).to(tl.int16).to(DT, bitcast=True)
+    else:
+        return tl.where(ok, y.to(tl.int32, bitcast=True), -2147483648).to(DT, bitcast=True)
+
+
+@triton.jit
+def rows_marked(x):
+    """[BT] per row of x [BT, N] (fp32 or a 16-bit float, as stored by mark_invalid): whether the row holds a -0.0.
+    A row minimum of the bits as signed integers: -0.0 is the only float whose bits are the integer minimum."""
+    if x.dtype.primitive_bitwidth == 16:
+        return tl.min(x.to(tl.int16, bitcast=True), axis=1) == -32768
+    else:
+        return tl.min(x.to(tl.int32, bitcast=True), axis=1) == -2147483648
+
+
+@triton.jit
+def rows_nonfinite(x):
+    """[BT] per row of x [BT, N] fp32: whether the row has a NaN or an inf (a row maximum of the magnitudes' bits:
+    those of NaN and inf are the largest)."""
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1) >= 0x7F800000
 
 
 @triton.jit
@@ -413,8 +438,8 @@ def gam_valid(b_g):
 @triton.jit
 def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
               USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr):
-    """Activated beta of one chunk: ([BT] fp32, zero past Tc and where not finite; [BT] where it is not
-    finite)."""
+    """Activated beta of one chunk: [BT] fp32, zero past Tc (a NaN or inf is kept: the caller zeroes it where it
+    is used as a factor)."""
     o_t = tl.arange(0, BT)
     m_t = o_t < Tc
     b_beta = tl.load(beta + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
@@ -423,8 +448,7 @@ def load_beta(beta, i_hv, t0, Tc, HV, BT: tl.constexpr,
         if ALLOW_NEG_EIGVAL:
             b_beta = 2.0 * b_beta
         b_beta = tl.where(m_t, b_beta, 0.0)
-    ok = finite(b_beta)
-    return tl.where(ok, b_beta, 0.0), ~ok
+    return b_beta
 
 
 @triton.jit

@@ -45,15 +45,18 @@ The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (th
 reach 2^SPAN, past fp16's range).
 Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is
 not finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not
-finite, or an element of its v is not finite. This kernel zeroes such elements at load by selection (never
-multiplied: 0 * NaN = NaN in a dot), so every earlier row's coefficient on them is an exact 0 and rows before
-the chunk's first invalid row f come out as with a finite value there. This kernel finds no rows: the W/U
-kernel (fwd_wu.py) does, and marks the rows from f on (NaN rows of qg, kd and gam: o = NaN from f on, and a NaN
-state leaving the chunk). Here a row reduction costs the autotuned forward ~10% on the H200 (~240 registers
-live); the W/U kernel has registers to spare. What this kernel passes on is elementwise: kbg is NaN where k is
-not finite or the gate is invalid (marked in gam's lowest mantissa bit by the pre-processing,
-common.load_gam_block), so that the W/U kernel, which reads kbg anyway, reads neither k nor the gate again; it
-reads the raw beta for its check (load_beta).
+finite, or an element of its v is not finite. The gate's invalid elements count as a zero log decay (selection
+in load_gam_block); beta's are zeroed where beta is a factor. k is loaded as it is: a non-finite k_r makes row
+r and column r of Akk non-finite and nothing else (a dot carries a NaN operand element into its own row or
+column only), and those entries are selected to 0 after the K loop, which is what a zeroed k_r would give, so
+every row before the chunk's first invalid row f comes out as with a finite value there (in Aqk the entries
+stay at i >= r, rows that become NaN). This kernel finds no rows (a row reduction here costs the autotuned
+forward ~10% on the H200, ~240 registers live): the W/U kernel (fwd_wu.py) does, and writes NaN rows of qg, kd
+and gam from f on (o = NaN from f on, and a NaN state leaving the chunk). What this kernel passes on is
+elementwise: kbg is marked -0.0 where k or the gate is invalid (the gate's validity is marked in gam's lowest
+mantissa bit by the pre-processing, common.load_gam_block; common.mark_invalid), so the W/U kernel feeds kbg
+into its dot as it is (a mark is a zero) and finds those rows from the marks, reading neither k nor the gate
+again; it checks the raw beta itself (load_beta).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ import triton.language as tl
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
                      finite, gam_valid, gate_args, kd_chunk, l2norm_factor, length_jit, load_beta,
-                     load_gam_block, lowp_dot, sum_squares, tune_size)
+                     load_gam_block, lowp_dot, mark_invalid, sum_squares, tune_size)
 
 
 @triton.autotune(
@@ -129,7 +132,8 @@ def chunk_kda_fwd_kernel_intra(
 
     # ---- pre-processing: beta, l2norm row factors, gate + cumsum (gam is stored and re-read below); invalid
     # elements zeroed (see "Non-finite inputs" above)
-    b_beta, _ = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)    # [BT]
+    b_beta = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)    # [BT]
+    b_beta = tl.where(finite(b_beta), b_beta, 0.0)
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
     # one pass over the K-blocks: the sums of squares of q and k, and the gate with its cumsum
     b_ssq = tl.zeros([BT], dtype=tl.float32)
@@ -151,6 +155,7 @@ def chunk_kda_fwd_kernel_intra(
     else:
         b_rq = tl.full([BT], 1.0, dtype=tl.float32)
         b_rk = tl.full([BT], 1.0, dtype=tl.float32)
+    b_bk = b_beta * b_rk                                                                  # [BT] kbg's and L's row factor
     tl.debug_barrier()
 
     # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (raw q, k: the l2norm
@@ -167,16 +172,16 @@ def chunk_kda_fwd_kernel_intra(
         # [BT, BK]
         b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        ok_k = finite(b_k)
-        b_k = tl.where(ok_k, b_k, 0.0)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
         o_tk = o_t[:, None] * sg + o_k[None, :]
         tl.store(qg + o_tk, (b_q * (f_scale * b_rq)[:, None] * tl.exp2(b_g)).to(qg.dtype.element_ty), mask=m_tk)
-        # W's right operand: beta k exp2(gam), NaN where k or the gate is invalid (the W/U kernel's flags)
-        b_kbg = tl.where(ok_k & gam_valid(b_g), b_k * (b_beta * b_rk)[:, None] * tl.exp2(b_g), float("nan"))
-        tl.store(kbg + o_tk, b_kbg.to(kbg.dtype.element_ty), mask=m_tk)
+        # W's right operand: beta k exp2(gam), marked -0.0 where k or the gate is invalid (the W/U kernel's flags;
+        # a NaN or inf k makes the product non-finite)
+        b_kbg = b_k * b_bk[:, None] * tl.exp2(b_g)
+        b_kbg = mark_invalid(b_kbg, finite(b_kbg) & gam_valid(b_g), kbg.dtype.element_ty)
+        tl.store(kbg + o_tk, b_kbg, mask=m_tk)
         b_kd = (b_k * b_rk[:, None] * tl.exp2(tl.minimum(b_gl[None, :] - b_g, 0.0))).to(kd.dtype.element_ty)
         if KD_T:
             # into the [BK, BT] block of kd^T; rows past Tc are zeros (k loaded as 0 there) and stored too:
@@ -220,10 +225,13 @@ def chunk_kda_fwd_kernel_intra(
                 b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
-        b_akk = tl.where(o_t[None, :] < o_t[:, None], b_akk, 0.0)
+        # a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and nothing else: selected
+        # to 0, as a zeroed k_r would give (the inverse's dots would carry a NaN to every row of the block, 0 * NaN);
+        # in Aqk such entries stay only at i >= r, rows that the W/U kernel turns to NaN
+        b_akk = tl.where((o_t[None, :] < o_t[:, None]) & finite(b_akk), b_akk, 0.0)
         # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
         b_aqk = b_aqk * (f_scale * b_rq)[:, None] * b_rk[None, :]
-        b_akk = b_akk * (b_beta * b_rk)[:, None] * b_rk[None, :]
+        b_akk = b_akk * b_bk[:, None] * b_rk[None, :]
         p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
         tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
         tl.store(scr + p_a, b_akk, mask=m_t[:, None])

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision, finite, first_row, kd_chunk,
-                     length_jit, load_beta, lowp_dot, poison_rows, rows_bad, tune_size)
+                     length_jit, load_beta, lowp_dot, poison_rows, rows_marked, rows_nonfinite, tune_size)
 from .fwd_intra import IntraOut
 
 
@@ -49,10 +49,11 @@ def chunk_kda_fwd_kernel_wu(
     kbg: grid (NT_total, HV). A kernel of its own (FLA's recompute_w_u is one too): it needs far fewer
     registers than the Aqk / inverse kernel, so more programs share an SM. In a bf16 forward both are bf16
     dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3).
-    Non-finite inputs (fwd_intra.py's note): the intra kernel zeroed the invalid elements of k, g and beta and
-    wrote NaN into kbg where k or the gate is invalid; this one zeroes those kbg elements and v's at load. It
-    finds the chunk's invalid rows (kbg's NaN, beta checked from the input: load_beta, and v) and, from the first
-    one on, writes NaN rows into qg, kd and gam (common.poison_rows)."""
+    Non-finite inputs (fwd_intra.py's note): the intra kernel marked kbg -0.0 where k or the gate is invalid, so
+    kbg goes into the dot as it is (a mark is a zero) and its marked rows are invalid; so are the rows of a
+    non-finite beta (checked from the input: load_beta) and of v with a NaN or inf, which are zeroed whole
+    (nothing an invalid row holds is used). From the chunk's first invalid row on, this kernel writes NaN rows
+    into qg, kd and gam (common.poison_rows)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
     t0 = bos + i_c * BT
@@ -77,28 +78,28 @@ def chunk_kda_fwd_kernel_wu(
     gam += t0 * sg + i_hv * K
     kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
     b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.0)                # [BT]
-    _, bad = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)        # [BT] invalid rows
     # [BT, BT]
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
+    # [BT] invalid rows
+    bad = ~finite(load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL))
     # W over K-blocks and U over V-blocks
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_tk = o_t[:, None] * sg + o_k[None, :]
         b_kbg = tl.load(kbg + p_tk, mask=m_tk, other=0.0)                                     # [BT, BK]
-        ok_k = finite(b_kbg)                       # NaN where k is not finite (the intra kernel's mark)
         # [BT, BT] @ [BT, BK] -> [BT, BK]
-        b_w = tl.dot(b_tm, tl.where(ok_k, b_kbg, 0.0).to(DOT_DT), input_precision=PREC)
+        b_w = tl.dot(b_tm, b_kbg.to(DOT_DT), input_precision=PREC)
         tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
-        bad = bad | rows_bad(ok_k)                 # rows with a k or gate element invalid
+        bad = bad | rows_marked(b_kbg)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         # [BT, BV]
         b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        ok_v = finite(b_v)
-        bad = bad | rows_bad(ok_v)
-        b_v = tl.where(ok_v, b_v, 0.0)
+        bad_v = rows_nonfinite(b_v)
+        bad = bad | bad_v
+        b_v = tl.where(bad_v[:, None], 0.0, b_v)
         # [BT, BT] @ [BT, BV] -> [BT, BV]
         b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
         tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
@@ -111,8 +112,7 @@ def chunk_kda_fwd_wu(x: KDAInputs, opts: KDAOptions, intra: IntraOut, kbg: torch
                      idx: ChunkIndex) -> Tuple[torch.Tensor, torch.Tensor]:
     """W [B,T,HV,K] and U [B,T,HV,V] in kbg's dtype (bf16 dots when that is bf16) from the intra stage's
     activated beta [B,T,HV] fp32, Tm [B,T,HV,64] and kbg [B,T,HV,K] (chunk_kda_fwd_intra's) and x.v [B,T,HV,V].
-    x.beta is read for its check: writes NaN rows into intra.qg, intra.kd and intra.gam from a chunk's first
-    invalid row on."""
+    Writes NaN rows into intra.qg, intra.kd and intra.gam from a chunk's first invalid row on."""
     v = x.v
     B, T, HV, V = v.shape
     K = kbg.shape[-1]
