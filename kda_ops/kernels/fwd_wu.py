@@ -112,7 +112,8 @@ def chunk_kda_fwd_wu(x: KDAInputs, opts: KDAOptions, intra: IntraOut, kbg: torch
                      idx: ChunkIndex) -> Tuple[torch.Tensor, torch.Tensor]:
     """W [B,T,HV,K] and U [B,T,HV,V] in kbg's dtype (bf16 dots when that is bf16) from the intra stage's
     activated beta [B,T,HV] fp32, Tm [B,T,HV,64] and kbg [B,T,HV,K] (chunk_kda_fwd_intra's) and x.v [B,T,HV,V].
-    Writes NaN rows into intra.qg, intra.kd and intra.gam from a chunk's first invalid row on."""
+    x.beta is read for its check: writes NaN rows into intra.qg, intra.kd and intra.gam from a chunk's first
+    invalid row on."""
     v = x.v
     B, T, HV, V = v.shape
     K = kbg.shape[-1]
