@@ -4,7 +4,8 @@ The other GPU tests run with whatever config the autotuner picks (or the first o
 KDA_OPS_AUTOTUNE=0), so a config that is never picked there is never checked; a benchmark run that picks it
 would be the first to find out. Here each kernel runs in its own process (a faulting config kills the CUDA
 context), which pins the kernel to one config after another and checks forward + backward of the public op
-on a varlen case with GVA, in-op pre-processing and an initial state (K = 128), and on K = 256 and K = 64.
+on a varlen case with GVA, in-op pre-processing and an initial state (K = 128), on K = 256 and K = 64, and on
+a small varlen case with K != V (K = 32, V = 16: tiles wider than the data).
 A config that does not fit in shared memory at a size is skipped there, as the autotuner skips it; the first
 config (the one that runs without autotuning) must fit at every size, and every other config at one size at
 least.
@@ -57,10 +58,12 @@ def run_all_configs(name: str) -> int:
     checked = set()          # configs that ran at some size
     # K = 128 (the benchmark's size) varlen with GVA; K = 256 and K = 64 fixed length (configs that fit only
     # there, or spill there, have faulted before at sizes the first case does not reach: an inter config that
-    # faulted at K = 64 alone)
+    # faulted at K = 64 alone); K = 32, V = 16 with the safe gate, where the tiles are wider than the data
     for c in (Case(B=1, T=331, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, in_op=True, seqlens=[100, 37, 1, 193]),
               Case(B=2, T=200, H=2, HV=2, K=256, V=256, dtype=torch.bfloat16, in_op=True),
-              Case(B=2, T=200, H=2, HV=2, K=64, V=64, dtype=torch.bfloat16, in_op=True)):
+              Case(B=2, T=200, H=2, HV=2, K=64, V=64, dtype=torch.bfloat16, in_op=True),
+              Case(B=1, T=140, H=2, HV=4, K=32, V=16, dtype=torch.bfloat16, in_op=True, lower_bound=-5.0,
+                   seqlens=[64, 1, 75])):
         inputs, kw = c.make("cuda", seed=3)
         inputs = [inputs[0], inputs[1], inputs[2], inputs[3].float(), inputs[4].float()]
         gen = torch.Generator(device="cuda").manual_seed(4)

@@ -1,8 +1,9 @@
 """GPU forward of KDA (Triton) against the fp64 recurrence, computed on the GPU.
 
-Every axis is covered without the full cross product: T in {1, 63, 64, 500, 1000, 2048}, K = V in
-{64, 100, 128, 256}, (H, HV) in {(4, 4), (2, 8)}, varlen with mixed lengths, every pre-processing flag,
-with and without an initial state, bf16 / fp16 / fp32. Error: relative RMS ||a - b|| / ||b|| per tensor.
+Every axis is covered without the full cross product: T in {1, 63, 64, 140, 500, 1000, 2048}, K = V in
+{64, 100, 128, 256} and K != V at small sizes (K in {16, 32, 64}, V in {16, 32, 48}), (H, HV) in {(4, 4),
+(2, 8), (2, 4)}, varlen with mixed lengths, every pre-processing flag, with and without an initial state,
+bf16 / fp16 / fp32. Error: relative RMS ||a - b|| / ||b|| per tensor.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Case:
     T: int
     H: int
     HV: int
-    D: int
+    D: int                             # K (and V unless V is given)
     dtype: torch.dtype = torch.bfloat16
     gate: bool = True                  # gate activation in the op (else g is a log decay already)
     lower_bound: Optional[float] = None
@@ -40,6 +41,11 @@ class Case:
     neg_eigval: bool = False
     h0: bool = True
     seqlens: Optional[Tuple[int, ...]] = None   # varlen: B == 1, T == sum(seqlens)
+    V: Optional[int] = None            # value size when it differs from K
+
+    @property
+    def Vd(self) -> int:
+        return self.D if self.V is None else self.V
 
     @property
     def id(self) -> str:
@@ -52,7 +58,8 @@ class Case:
             flags.append("noAlog")
         if self.gate and not self.dt_bias:
             flags.append("nobias")
-        head = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-D{self.D}-{dt}"
+        size = f"D{self.D}" if self.V is None else f"K{self.D}-V{self.V}"
+        head = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-{size}-{dt}"
         if self.seqlens:
             head = f"varlen{len(self.seqlens)}-" + head
         return head + "-" + "-".join(flags or ["plain"])
@@ -72,6 +79,10 @@ CASES = [
     Case(1, 1183, 2, 8, 100, lower_bound=-5.0, h0=False, seqlens=(63, 1000, 5, 115)),
     Case(1, 300, 4, 4, 64, dtype=torch.float32, neg_eigval=True, seqlens=(100, 64, 36, 100)),
     Case(1, 700, 2, 8, 128, dtype=torch.float16, seqlens=(300, 17, 383)),    # fp16 with the gate in the op
+    # K != V and tiles smaller than the kernels' blocks
+    Case(1, 140, 2, 4, 32, V=16, lower_bound=-5.0, seqlens=(64, 1, 75)),
+    Case(2, 100, 1, 2, 16, V=48),
+    Case(2, 200, 2, 2, 64, V=32, dtype=torch.float32, h0=False),
 ]
 
 
@@ -79,7 +90,8 @@ def make_inputs(c: Case, device="cuda", seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     rn = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     B, T, H, HV, K = c.B, c.T, c.H, c.HV, c.D
-    q, k, v = rn(B, T, H, K), rn(B, T, H, K), rn(B, T, HV, K)
+    V = c.Vd
+    q, k, v = rn(B, T, H, K), rn(B, T, H, K), rn(B, T, HV, V)
     if not c.l2norm:   # keep the recurrence well scaled: unit keys
         q, k = q / math.sqrt(K), torch.nn.functional.normalize(k, dim=-1)
     g = rn(B, T, HV, K) if c.gate else torch.nn.functional.logsigmoid(rn(B, T, HV, K) + 3.0)
@@ -89,7 +101,7 @@ def make_inputs(c: Case, device="cuda", seed=0):
         q=q.to(c.dtype), k=k.to(c.dtype), v=v.to(c.dtype), g=g.to(c.dtype), beta=beta.to(c.dtype),
         A_log=(rn(HV) * 0.5) if c.gate and c.a_log else None,
         dt_bias=(rn(HV * K) * 0.5) if c.gate and c.dt_bias else None,
-        initial_state=rn(N, HV, K, K) if c.h0 else None,
+        initial_state=rn(N, HV, K, V) if c.h0 else None,
         cu_seqlens=(torch.tensor([0, *torch.tensor(c.seqlens).cumsum(0).tolist()], dtype=torch.int32,
                                  device=device) if c.seqlens else None),
     )
