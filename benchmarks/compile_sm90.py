@@ -119,7 +119,7 @@ def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
     wdt = wdt or dt
     names = ['v','beta_act','Tm','kbg','W','U','qg','kd','gam','beta','cu_seqlens','chunk_indices','T','N','HV','TUNE_SIZE']
     types = [f'*{dt}', '*fp32'] + [f'*{wdt}']*6 + ['*fp32', f'*{dt}'] + ['*i32','*i32'] + ['i32']*4
-    c = dict(K=K, V=V, BT=64, BK=BK, BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=False, USE_BETA_SIGMOID=True,
+    c = dict(K=K, V=V, BT=64, BK=BK, IS_VARLEN=False, USE_BETA_SIGMOID=True,
              ALLOW_NEG_EIGVAL=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=wdt == 'bf16', KD_T=wdt == 'bf16')
     comp(chunk_kda_fwd_kernel_wu, names, types, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
 

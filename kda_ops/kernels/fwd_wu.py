@@ -41,7 +41,7 @@ def chunk_kda_fwd_kernel_wu(
     beta,                                    # the op's input, read for its check only: [B,T,HV]
     cu_seqlens, chunk_indices, T, N, HV, TUNE_SIZE,
     K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr, KD_T: tl.constexpr,
 ):
@@ -82,7 +82,9 @@ def chunk_kda_fwd_kernel_wu(
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
     # [BT] invalid rows
     bad = ~finite(load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL))
-    # W over K-blocks and U over V-blocks
+    # W over K-blocks and U over V-blocks of the same width BK: with two tile widths, triton 3.6 carries kbg's
+    # row check from one layout to the other through shared memory, and U came out wrong on the H200 at V = 16
+    # with 4 warps (tests/test_gpu_configs.py)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -92,15 +94,15 @@ def chunk_kda_fwd_kernel_wu(
         b_w = tl.dot(b_tm, b_kbg.to(DOT_DT), input_precision=PREC)
         tl.store(W + p_tk, b_w.to(W.dtype.element_ty), mask=m_tk)
         bad = bad | rows_marked(b_kbg)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
+    for i_v in range(tl.cdiv(V, BK)):
+        o_v = i_v * BK + tl.arange(0, BK)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
-        # [BT, BV]
+        # [BT, BK]
         b_v = tl.load(v + o_t[:, None] * sv + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         bad_v = rows_nonfinite(b_v)
         bad = bad | bad_v
         b_v = tl.where(bad_v[:, None], 0.0, b_v)
-        # [BT, BT] @ [BT, BV] -> [BT, BV]
+        # [BT, BT] @ [BT, BK] -> [BT, BK]
         b_u = tl.dot(b_tm, (b_v * b_beta[:, None]).to(DOT_DT), input_precision=PREC)
         tl.store(U + o_t[:, None] * sv + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
     f_bad = first_row(bad, BT)
@@ -123,7 +125,7 @@ def chunk_kda_fwd_wu(x: KDAInputs, opts: KDAOptions, intra: IntraOut, kbg: torch
     torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[(idx.NT_total, HV)](
         v, intra.beta, Tm, kbg, W, U, intra.qg, intra.kd, intra.gam, x.beta,
         absent(idx.cu_seqlens, v), absent(idx.chunk_indices, v), T, idx.N, HV,
-        tune_size(B * T, HV), K=K, V=V, BT=Tm.shape[-1], BV=min(64, triton.next_power_of_2(V)),
+        tune_size(B * T, HV), K=K, V=V, BT=Tm.shape[-1],
         USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
         IS_VARLEN=idx.is_varlen, PREC=dot_precision(v.dtype),
         LOWP_DOT=kbg.dtype == torch.bfloat16 and lowp_dot(v.dtype), KD_T=intra.kd_t,
