@@ -82,9 +82,9 @@ def chunk_kda_fwd_kernel_wu(
     b_tm = tl.load(Tm + o_t[:, None] * sa + o_t[None, :], mask=m_t[:, None], other=0.0).to(DOT_DT)
     # [BT] invalid rows
     bad = ~finite(load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL))
-    # W over K-blocks and U over V-blocks of the same width BK: with two tile widths, triton 3.6 carries kbg's
-    # row check from one layout to the other through shared memory, and U came out wrong on the H200 at V = 16
-    # with 4 warps (tests/test_gpu_configs.py)
+    # W over K-blocks and U over V-blocks of the same width BK. With a V-block width of its own (16 at V = 16),
+    # U came out wrong on the H200 with 4 warps (triton 3.6; tests/test_gpu_configs.py, the K = 32, V = 16 case);
+    # the sm_90 builds with two widths move kbg's row check between two layouts, those with one width do not
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
