@@ -3,7 +3,9 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [bench] [decode] [kernels]     (default: tests bench)
 #
-#   tests    pytest -m gpu (the kernels, the op and the tiny LM against fp64 references); log in $OUT
+#   tests    pytest -m gpu (the kernels, the op and the tiny LM against fp64 references): one pytest process
+#            per test, $JOBS of them side by side (default 12), sharing the GPU, the Triton cache and (with
+#            TRITON_CACHE_AUTOTUNING=1, the default here) the autotune results; one log per test in $OUT/tests
 #   bench    bench_kda.py: kda_ops beside FLA, every gate regime, fwd and fwd + bwd; rows appended to
 #            benchmarks/results/kda.csv (extra arguments in $BENCH, e.g. BENCH="--all-shapes")
 #   decode   bench_decode.py (decode step against FLA), JSON in $OUT
@@ -15,6 +17,7 @@ set -o pipefail
 OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"
 STEPS=${*:-tests bench}
 PY=${PYTHON:-python}
+JOBS=${JOBS:-12}
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 say() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 status=0
@@ -22,9 +25,18 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 git log -1 --format='%h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 if has tests; then
-  say "gpu tests"
-  $PY -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -20
+  say "gpu tests ($JOBS processes at a time)"
+  rm -rf "$OUT/tests"; mkdir -p "$OUT/tests"
+  export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+  $PY -m pytest -q -p no:cacheprovider --collect-only -m gpu tests | grep '::' > "$OUT/tests/ids.txt"
+  # one pytest process per test; the log name is the test id with every run of other characters as one _
+  xargs -P "$JOBS" -I{} bash -c 'log="$2/$(echo "$1" | sed "s/^tests\///; s/[^A-Za-z0-9.=-]\+/_/g").log"
+    $0 -m pytest -q -p no:cacheprovider -m gpu -rfE "$1" > "$log" 2>&1; echo "rc=$?" >> "$log"' \
+    "$PY" {} "$OUT/tests" < "$OUT/tests/ids.txt"
+  failed=$(grep -L '^rc=0$' "$OUT"/tests/*.log)
+  echo "$(wc -l < "$OUT/tests/ids.txt") tests, $(echo "$failed" | grep -c .) failed"
+  for log in $failed; do echo "FAILED: $(basename "$log" .log)"; grep -E "^(FAILED|ERROR|E )" "$log" | head -5; done
+  [ -z "$failed" ] || status=1
 fi
 if has bench; then
   say "bench_kda"
