@@ -28,12 +28,14 @@ if has tests; then
   say "gpu tests ($JOBS processes at a time)"
   rm -rf "$OUT/tests"; mkdir -p "$OUT/tests"
   export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-  $PY -m pytest -q -p no:cacheprovider --collect-only -m gpu tests | grep '::' > "$OUT/tests/ids.txt"
+  $PY -m pytest -q -p no:cacheprovider --collect-only -m gpu tests > "$OUT/tests/collect.txt" 2>&1 \
+    || { echo "collection failed: $OUT/tests/collect.txt"; status=1; }
+  grep '::' "$OUT/tests/collect.txt" > "$OUT/tests/ids.txt" || { echo "no GPU tests collected"; status=1; }
   # one pytest process per test; the log name is the test id with every run of other characters as one _
   xargs -P "$JOBS" -I{} bash -c 'log="$2/$(echo "$1" | sed "s/^tests\///; s/[^A-Za-z0-9.=-]\+/_/g").log"
     $0 -m pytest -q -p no:cacheprovider -m gpu -rfE "$1" > "$log" 2>&1; echo "rc=$?" >> "$log"' \
     "$PY" {} "$OUT/tests" < "$OUT/tests/ids.txt"
-  failed=$(grep -L '^rc=0$' "$OUT"/tests/*.log)
+  failed=$(grep -L "^rc=0$" "$OUT"/tests/*.log 2>/dev/null)
   echo "$(wc -l < "$OUT/tests/ids.txt") tests, $(echo "$failed" | grep -c .) failed"
   for log in $failed; do echo "FAILED: $(basename "$log" .log)"; grep -E "^(FAILED|ERROR|E )" "$log" | head -5; done
   [ -z "$failed" ] || status=1
