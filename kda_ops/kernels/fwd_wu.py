@@ -83,8 +83,7 @@ def chunk_kda_fwd_kernel_wu(
     # [BT] invalid rows
     bad = ~finite(load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL))
     # W over K-blocks and U over V-blocks of the same width BK. With a V-block width of its own (16 at V = 16),
-    # U came out wrong on the H200 with 4 warps (triton 3.6; tests/test_gpu_configs.py, the K = 32, V = 16 case);
-    # the sm_90 builds with two widths move kbg's row check between two layouts, those with one width do not
+    # U came out wrong on the H200 with 4 warps (triton 3.6; tests/test_gpu_configs.py, the K = 32, V = 16 case)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
