@@ -5,7 +5,8 @@
 #
 #   tests    pytest -m gpu (the kernels, the op and the tiny LM against fp64 references): one pytest process
 #            per test, $JOBS of them side by side (default 12), sharing the GPU, the Triton cache and (with
-#            TRITON_CACHE_AUTOTUNING=1, the default here) the autotune results; one log per test in $OUT/tests
+#            TRITON_CACHE_AUTOTUNING=1, the default here) the autotune results; one log per test in $OUT/tests;
+#            $TESTS picks what pytest collects (default: tests), e.g. TESTS="tests/test_gpu_fla.py"
 #   bench    bench_kda.py: kda_ops beside FLA, every gate regime, fwd and fwd + bwd; rows appended to
 #            benchmarks/results/kda.csv (extra arguments in $BENCH, e.g. BENCH="--all-shapes")
 #   decode   bench_decode.py (decode step against FLA), JSON in $OUT
@@ -18,6 +19,7 @@ OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"
 STEPS=${*:-tests bench}
 PY=${PYTHON:-python}
 JOBS=${JOBS:-12}
+TESTS=${TESTS:-tests}
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 say() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 status=0
@@ -28,7 +30,7 @@ if has tests; then
   say "gpu tests ($JOBS processes at a time)"
   rm -rf "$OUT/tests"; mkdir -p "$OUT/tests"
   export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-  $PY -m pytest -q -p no:cacheprovider --collect-only -m gpu tests > "$OUT/tests/collect.txt" 2>&1 \
+  $PY -m pytest -q -p no:cacheprovider --collect-only -m gpu $TESTS > "$OUT/tests/collect.txt" 2>&1 \
     || { echo "collection failed: $OUT/tests/collect.txt"; status=1; }
   grep '::' "$OUT/tests/collect.txt" > "$OUT/tests/ids.txt" || { echo "no GPU tests collected"; status=1; }
   # one pytest process per test; the log name is the test id with every run of other characters as one _
