@@ -5,7 +5,8 @@
 #
 #   tests    pytest -m gpu (the kernels, the op and the tiny LM against fp64 references): one pytest process
 #            per test, $JOBS of them side by side (default 12), sharing the GPU, the Triton cache and (with
-#            TRITON_CACHE_AUTOTUNING=1, the default here) the autotune results; one log per test in $OUT/tests;
+#            TRITON_CACHE_AUTOTUNING=1, the default here) the autotune results; one log per test in $OUT/tests,
+#            then the count of failed and of skipped tests;
 #            $TESTS picks what pytest collects (default: tests), e.g. TESTS="tests/test_gpu_fla.py"
 #   bench    bench_kda.py: kda_ops beside FLA, every gate regime, fwd and fwd + bwd; rows appended to
 #            benchmarks/results/kda.csv (extra arguments in $BENCH, e.g. BENCH="--all-shapes")
@@ -38,7 +39,9 @@ if has tests; then
     $0 -m pytest -q -p no:cacheprovider -m gpu -rfE "$1" > "$log" 2>&1; echo "rc=$?" >> "$log"' \
     "$PY" {} "$OUT/tests" < "$OUT/tests/ids.txt"
   failed=$(grep -L "^rc=0$" "$OUT"/tests/*.log 2>/dev/null)
-  echo "$(wc -l < "$OUT/tests/ids.txt") tests, $(echo "$failed" | grep -c .) failed"
+  skipped=$(grep -lE "^(=+ )?([0-9]+ [a-z]+, )*[0-9]+ skipped" "$OUT"/tests/*.log 2>/dev/null)
+  echo "$(wc -l < "$OUT/tests/ids.txt") tests, $(echo "$failed" | grep -c .) failed, $(echo "$skipped" | grep -c .) skipped"
+  for log in $skipped; do echo "SKIPPED: $(basename "$log" .log)"; done | head -20
   for log in $failed; do echo "FAILED: $(basename "$log" .log)"; grep -E "^(FAILED|ERROR|E )" "$log" | head -5; done
   [ -z "$failed" ] || status=1
 fi
