@@ -361,8 +361,8 @@ SFU = tl.constexpr(not INTERPRET)
 
 @triton.jit
 def log2_sfu(x):
-    """log2(x) for x >= 1 on the special-function unit (lg2.approx: absolute error below 2^-22 there). tl.log and
-    tl.log2 compile to libdevice's correctly rounded logf, ~20 instructions and a branch per element."""
+    """log2(x) for x >= 1 on the special-function unit (lg2.approx, an error of about 2^-22). tl.log and
+    tl.log2 compile to libdevice's accurate logf / log2f, ~20 instructions and a branch per element."""
     if SFU:
         return libdevice.fast_log2f(x)
     else:
