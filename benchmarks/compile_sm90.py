@@ -6,7 +6,8 @@
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
 config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.) --sass adds a line per build
 with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
-special-function MUFU, FFMA) or synchronisation (SHFL, BAR), and the same counts for each loop of the build.
+special-function MUFU, FFMA) or synchronisation (SHFL, BAR), the libdevice functions inlined into it (from the
+PTX), and the same counts for each loop of the build.
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -59,9 +60,18 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
     print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
     if SASS:
         insts = sass_insts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)
-        print(f"    sass {sass_counts(insts)}", flush=True)
+        print(f"    sass {sass_counts(insts)}; {libdevice_calls(k.asm['ptx'])}", flush=True)
         for line in sass_loops(insts):
             print(f"      {line}", flush=True)
+
+
+def libdevice_calls(ptx):
+    """'libdevice: name xN, ...' of the libdevice functions inlined into a PTX listing (its blocks keep their
+    names, e.g. __nv_logf.exit), or 'libdevice: none'. Some, such as logf, are long polynomials with branches;
+    exp2f is one special-function instruction."""
+    found = re.findall(r'^\$\w+:\s+// %(__nv_\w+?)\.exit', ptx, re.M)     # one block label per inlined call
+    counts = [f"{n[5:]} x{found.count(n)}" for n in sorted(set(found))]
+    return "libdevice: " + (", ".join(counts) if counts else "none")
 
 
 def sass_insts(sass):

@@ -357,6 +357,8 @@ def l2norm_factor(b_ss, EPS: tl.constexpr, ZERO_BAD: tl.constexpr):
 
 # Whether the kernels may call the GPU's approximate special functions (not under the interpreter, which has none)
 SFU = tl.constexpr(not INTERPRET)
+LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): natural-log units to log2 units
+LN2 = tl.constexpr(0.6931471805599453)     # ln(2)
 
 
 @triton.jit
@@ -372,7 +374,7 @@ def log2_sfu(x):
 @triton.jit
 def softplus(x):
     """log(1 + exp(x)) without overflow, in base 2 (both functions on the special-function unit)."""
-    return tl.maximum(x, 0.0) + 0.6931471805599453 * log2_sfu(1.0 + tl.exp2(-tl.abs(x) * 1.4426950408889634))
+    return tl.maximum(x, 0.0) + LN2 * log2_sfu(1.0 + tl.exp2(-tl.abs(x) * LOG2E))
 
 
 @triton.jit
@@ -437,7 +439,7 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
     # -inf + inf = NaN) and well conditioned
     ok = b_g < float("inf")
     b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
-    b_gam = tl.cumsum(b_g, axis=0) * 1.4426950408889634
+    b_gam = tl.cumsum(b_g, axis=0) * LOG2E
     # invalid elements marked in gam's lowest mantissa bit (set there, clear elsewhere; 1 ulp). ok is used in the
     # layout of the cumsum's result: used in any other layout, the compiler loads and activates the gate twice
     bits = b_gam.to(tl.int32, bitcast=True)
