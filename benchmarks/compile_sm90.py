@@ -66,10 +66,10 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
 
 
 def libdevice_calls(ptx):
-    """'libdevice: name xN, ...' of the libdevice functions inlined into a PTX listing (its blocks keep their
-    names, e.g. __nv_logf.exit), or 'libdevice: none'. Some, such as logf, are long polynomials with branches;
-    exp2f is one special-function instruction."""
-    found = re.findall(r'^\$\w+:\s+// %(__nv_\w+?)\.exit', ptx, re.M)     # one block label per inlined call
+    """'libdevice: name xN, ...' of the libdevice functions inlined into a PTX listing, or 'libdevice: none'.
+    Counted from the basic blocks LLVM names after an inlined call (e.g. __nv_logf.exit): a count is of such
+    blocks, about one per call. logf is a long polynomial with a branch; exp2f compiles to ex2.approx."""
+    found = re.findall(r'^\$\w+:\s+// %(__nv_\w+?)\.exit', ptx, re.M)
     counts = [f"{n[5:]} x{found.count(n)}" for n in sorted(set(found))]
     return "libdevice: " + (", ".join(counts) if counts else "none")
 
