@@ -233,23 +233,33 @@ def exact_diagonal(q, k, rq, rk, gam, beta, dAqk, dM, dq, dk, dgam, o_i, m_i, o_
     for s in range(tl.minimum(BC, Tc - r0)):
         o_u = tl.full([1], r0 + s, tl.int32)
         m_u = o_u < Tc
-        # [1, BK] row u
-        b_ku = load_rows(k, rk, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
-        b_qu = load_rows(q, rq, o_u, m_u, o_k, m_k, sq, H, USE_L2NORM)
-        b_d = b_gi - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_u[:, None] & m_k[None, :], other=0.0)
+        # [1, BK] row u of q and k as stored (their l2norm factors go into the [BC] coefficients below)
+        m_uk = m_u[:, None] & m_k[None, :]
+        b_ku = tl.load(k + o_u[:, None] * sq + o_k[None, :], mask=m_uk, other=0.0).to(tl.float32)
+        b_qu = tl.load(q + o_u[:, None] * sq + o_k[None, :], mask=m_uk, other=0.0).to(tl.float32)
+        b_d = b_gi - tl.load(gam + o_u[:, None] * sg + o_k[None, :], mask=m_uk, other=0.0)
         # [BC] P[t, u], dM[t, u] (u <= t), P[u, t], beta_u dM[u, t] (u >= t)
         b_ptu = tl.load(dAqk + o_i * sa + o_u, mask=m_i & (o_u <= o_i), other=0.0)
         b_mtu = tl.load(dM + o_i * sa + o_u, mask=m_i & (o_u < o_i), other=0.0)
         b_put = tl.load(dAqk + o_u * sa + o_i, mask=m_u & (o_u >= o_i), other=0.0)
         b_mut = tl.load(dM + o_u * sa + o_i, mask=m_u & (o_u > o_i), other=0.0)
-        b_mut *= tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)
+        b_bu = tl.load(beta + o_u * HV, mask=m_u, other=0.0).to(tl.float32)                   # [1]
+        if USE_L2NORM:
+            b_rku = tl.load(rk + o_u * H, mask=m_u, other=0.0)                                 # [1]
+            b_ptu *= b_rku
+            b_mtu *= b_rku
+            b_put *= tl.load(rq + o_u * H, mask=m_u, other=0.0)
+            b_bu *= b_rku
+        b_mut *= b_bu
         # [BC, BK] e(t, u) = exp2(gam_t - gam_u) where u <= t and e(u, t) where u >= t: both are
         # exp2(-|gam_t - gam_u|) there (gam does not increase: g <= 0 is the op's contract), one exp2 for the
         # two (<= 1)
         b_e = tl.exp2(-tl.abs(b_d))
-        b_dqa += b_ptu[:, None] * b_ku * b_e
-        b_x += b_mtu[:, None] * b_ku * b_e
-        b_dka += (b_put[:, None] * b_qu + b_mut[:, None] * b_ku) * b_e
+        b_ke = b_ku * b_e
+        b_dqa += b_ptu[:, None] * b_ke
+        b_x += b_mtu[:, None] * b_ke
+        b_dka += b_put[:, None] * (b_qu * b_e)
+        b_dka += b_mut[:, None] * b_ke
     return add_terms(q, k, rq, rk, dq, dk, dgam, o_i, m_i, o_k, m_k, b_bi, b_dqa, b_x, b_dka,
                      tl.zeros([BC, BK], dtype=tl.float32), sq, sg, H, USE_L2NORM)
 
