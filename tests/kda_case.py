@@ -47,6 +47,7 @@ class Case:
     initial_state: bool = True
     seqlens: Optional[list] = None           # varlen: B must be 1 and T == sum(seqlens)
     a_log_range: tuple = (0.0, 2.7)          # in-op gate: A_log ~ U(a_log_range) per value head
+    l2norm: bool = True                      # in_op: the q/k l2norm in the op too (else q, k come normalised)
     dtype: torch.dtype = torch.float64
     extra: dict = field(default_factory=dict)
 
@@ -59,6 +60,8 @@ class Case:
             s += "-inop" + ("" if self.lower_bound is None else f"-lb{self.lower_bound:g}")
         if self.a_log_range != (0.0, 2.7):
             s += "-alog{:g}_{:g}".format(*self.a_log_range)
+        if self.in_op and not self.l2norm:
+            s += "-nol2"
         if self.allow_neg_eigval:
             s += "-neg"
         if not self.initial_state:
@@ -81,7 +84,9 @@ class Case:
         kw = dict(output_final_state=True)
         if self.in_op:
             g, beta = rnd(B, T, HV, K), rnd(B, T, HV)
-            kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            if not self.l2norm:
+                q, k = l2norm(q), l2norm(k)
+            kw.update(use_qk_l2norm_in_kernel=self.l2norm, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                       allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound,
                       A_log=torch.empty(HV, dtype=torch.float64).uniform_(*self.a_log_range, generator=gen),
                       dt_bias=0.5 * rnd(HV * K))

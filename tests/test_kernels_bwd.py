@@ -44,6 +44,7 @@ def cases():
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, lower_bound=-5.0, dtype=torch.bfloat16),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=f32),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=torch.bfloat16),
+        Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), l2norm=False, dtype=f32),
     ]
 
 
