@@ -82,16 +82,15 @@ class Case:
         q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, HV, V)
         N = len(self.seqlens) if self.seqlens else B
         kw = dict(output_final_state=True)
+        if not (self.in_op and self.l2norm):
+            q, k = l2norm(q), l2norm(k)
         if self.in_op:
             g, beta = rnd(B, T, HV, K), rnd(B, T, HV)
-            if not self.l2norm:
-                q, k = l2norm(q), l2norm(k)
             kw.update(use_qk_l2norm_in_kernel=self.l2norm, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                       allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound,
                       A_log=torch.empty(HV, dtype=torch.float64).uniform_(*self.a_log_range, generator=gen),
                       dt_bias=0.5 * rnd(HV * K))
         else:
-            q, k = l2norm(q), l2norm(k)
             g = -torch.rand(B, T, HV, K, generator=gen, dtype=torch.float64) * 0.7
             beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
         if self.initial_state:
