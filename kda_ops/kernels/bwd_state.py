@@ -33,6 +33,8 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, le
         # the fastest at (B, T, HV, K) = (4, 4096, 32, 128) by a third; (1, 8192, 32, 128) keeps BV 32
         # ((BV 32 / 64, 4 warps, 1 stage) were slower at both)
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
+        triton.Config({"BV": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BV": 64}, num_warps=8, num_stages=3),
     ]),
     key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
 )

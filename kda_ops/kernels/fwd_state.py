@@ -46,6 +46,9 @@ from .common import (BT, ChunkIndex, INTERPRET, absent, autotune_configs, dot_pr
         triton.Config({"BV": 16}, num_warps=4, num_stages=2),
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
+        triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BV": 16}, num_warps=4, num_stages=3),
+        triton.Config({"BV": 64}, num_warps=8, num_stages=3),
     ]),
     key=["K", "V", "STORE_O", "STORE_H", "PREC", "KD_T", "TUNE_SIZE"],
 )
