@@ -28,13 +28,13 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, le
         # memory (80 KB offline); 4 warps with 2 stages needs 233 KB there, over the H200's 227 KB
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
         triton.Config({"BV": 16}, num_warps=8, num_stages=1),
+        # the fastest at (B, T, HV, K) = (4, 4096, 32, 128); at (1, 8192, 32, 128) the three-stage one below
+        # (0.380 ms against 0.467; benchmarks/tune_sweep.py). (BV 32 / 64, 4 warps, 1 stage) were slower at both;
+        # BV 64 with 3 stages spills and took 1.8-2.3x the best
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
         triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-        # the fastest at (B, T, HV, K) = (4, 4096, 32, 128) by a third; (1, 8192, 32, 128) keeps BV 32
-        # ((BV 32 / 64, 4 warps, 1 stage) were slower at both)
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
         triton.Config({"BV": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BV": 64}, num_warps=8, num_stages=3),
     ]),
     key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
 )

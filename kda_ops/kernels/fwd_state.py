@@ -36,8 +36,12 @@ from .common import (BT, ChunkIndex, INTERPRET, absent, autotune_configs, dot_pr
     configs=autotune_configs([
         # one pipeline stage first (it fits at every K); two stages fit up to K = 128 (bf16 forward at BV = 32:
         # 128 KB; fp32 operands: 160 KB) and at K = 256 only with BV = 16 in the bf16 forward (220 KB; sm_90
-        # allows 227 KB); configs that do not fit are skipped (benchmarks/compile_sm90.py prints the shared
-        # memory per config).
+        # allows 227 KB); three stages at K = 128 in the bf16 forward (BV 16 / 32 / 64: 178 / 188 / 208 KB);
+        # configs that do not fit are skipped (benchmarks/compile_sm90.py prints the shared memory per config).
+        # The pass waits on its loads (one program per SM and V-block walks the chunks): a third stage won at both
+        # shapes measured, at (1, 8192, 32, 128) BV 32 / 4 warps / 3 stages takes 0.223 ms against
+        # 0.308 with two, at (4, 4096, 32, 128) BV 64 / 8 warps / 3 stages 0.367 against 0.458
+        # (benchmarks/tune_sweep.py).
         # (BV = 16 with 8 warps gave wrong results with triton 3.6 on the H200 (tests/test_gpu_configs.py) and
         # faulted at large shapes: not listed.)
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
