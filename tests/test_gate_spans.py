@@ -41,3 +41,12 @@ def test_cli_prints_every_regime():
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r.split("|")[1].strip() for r in rows] == ["weak", "layer_init", "strong", "safe_gate"]
+
+
+def test_step_between_the_two_spans():
+    # one step of 55 nats (79 in log2) at row 41 of every chunk, channel 0: past SPAN = 60 (the backward's test),
+    # within SPAN_UNIT = 96 (the forward's with the in-op l2norm)
+    g = torch.zeros(1, 128, 2, 32)
+    g[:, 41::64, :, 0] = -55.0
+    assert spans.fast_shares(g, 16)[0] == pytest.approx(0.5)
+    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value) == (1.0, 1.0)

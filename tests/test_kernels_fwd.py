@@ -67,10 +67,12 @@ def nan_empty(*args, **kwargs):
     return x.fill_(float("nan")) if x.is_floating_point() else x
 
 
-def run_case(c: Case, over: dict, seed: int = 0):
-    """Returns (o, final_state) of the Triton forward (scratch and outputs poisoned) and of the fp64 recurrence."""
+def run_case(c: Case, over: dict, seed: int = 0, g=None):
+    """Returns (o, final_state) of the Triton forward (scratch and outputs poisoned) and of the fp64 recurrence.
+    g: a gate to take in place of the case's."""
     from kda_ops.kernels import chunk_index, chunk_kda_fwd_triton
-    (q, k, v, g, beta), kw = c.make(seed=seed)
+    (q, k, v, g_case, beta), kw = c.make(seed=seed)
+    g = g_case if g is None else g
     kw.update(over)
     g, beta = g.to(c.dtype), beta.to(c.dtype)
     x, opts = bundles([q, k, v, g, beta], kw)
@@ -88,6 +90,23 @@ def test_fwd_vs_recurrence(i):
     c, over = CASES[i]
     (o, ht), (ro, rht) = run_case(c, over, seed=i)
     assert o.dtype == c.dtype and ht.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_rms(o, ro) <= TOL[c.dtype], rel_rms(o, ro)
+    assert rel_rms(ht, rht) <= TOL[c.dtype], rel_rms(ht, rht)
+
+
+@interpreter_only
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm_in_op", "normalised"])
+def test_fwd_wide_span(l2norm):
+    """A log decay of 10.1 - 10.8 (log2) per token: each 16-row block spans 60 - 87 from its middle row, past
+    common.SPAN and within common.SPAN_UNIT. With the in-op l2norm the intra kernel takes the fast path there
+    (factors up to 2^87; entries above the diagonal overflow and are discarded), without it the exact path."""
+    c = Case(B=1, T=150, H=1, HV=2, K=32, V=16, in_op=True, l2norm=l2norm, seqlens=[64, 86],
+             dtype=torch.float32)
+    g = -(7.0 + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(5),
+                                 dtype=torch.float64))
+    over = dict(use_gate_in_kernel=False, A_log=None, dt_bias=None)
+    (o, ht), (ro, rht) = run_case(c, over, seed=7, g=g)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_rms(o, ro) <= TOL[c.dtype], rel_rms(o, ro)
     assert rel_rms(ht, rht) <= TOL[c.dtype], rel_rms(ht, rht)

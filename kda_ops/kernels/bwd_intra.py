@@ -16,7 +16,8 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
    around a reference row of block r: row direction over the blocks c <= r (P and dM rows r0..r0+15, columns
    of block c), column direction over the blocks c >= r (P and dM rows of block c, columns r0..r0+15, loaded
    transposed: element (a, b) = P[c0 + b, r0 + a]). Per K-block one of two cases, chosen in the kernel from
-   the data (no host sync), with the same test (over the whole chunk) and SPAN as the forward (fwd_intra.py):
+   the data (no host sync), with the forward's test (over the whole chunk; fwd_intra.py) at common.SPAN (the
+   forward takes the wider common.SPAN_UNIT with the in-op l2norm, its rows normalised before the dots):
    * fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the
      middle row m of block r, and the dots cover the diagonal block c = r too: row side exp2(gam_i - gam_m),
      column side exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one

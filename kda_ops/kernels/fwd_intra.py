@@ -18,10 +18,11 @@ kernel needs far fewer, so it runs more programs per SM.
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
 exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded).
 Per K-block, one of two paths, chosen in the kernel from the data (no host sync):
-* fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's 16-row block): each row
+* fast (|gam_i - gam_m(i)| <= span for every row i, m(i) the middle row of i's 16-row block; span is
+  common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): each row
   block r is one tensor-core dot against all columns j < 16 (r + 1), factored around its middle row:
   (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); entries above the diagonal are masked after;
-* exact (a block spans more than SPAN, e.g. strong decay without lower_bound): a binary split of the chunk
+* exact (a block spans more than span, e.g. strong decay without lower_bound): a binary split of the chunk
   (split_level). At level S = 2, 4, .., 64 each S-row segment pairs the rows of its second half with the
   columns of its first half in one dot per operand, factored around the segment's middle row (both factors
   <= 1 for any decay); the levels together cover every pair j < i, and the diagonal i == j (decay 1) is added
@@ -42,7 +43,7 @@ Storage, two modes (``lowp``, see IntraOut):
 * otherwise (fp16 and fp32 inputs, or lowp off): everything fp32 and token-major, kd as
   [B, T, HV, K] (fp16's range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
-reach 2^SPAN, past fp16's range).
+reach 2^span, past fp16's range).
 Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is
 not finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not
 finite, or an element of its v is not finite. The gate's invalid elements count as a zero log decay (selection
@@ -67,8 +68,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, L2NORM_EPS, SPAN, ChunkIndex, absent, autotune_configs, chunk_bounds, dot_precision,
-                     finite, gam_valid, gate_args, kd_chunk, l2norm_factor, length_jit, load_beta,
+from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, chunk_bounds,
+                     dot_precision, finite, gam_valid, gate_args, kd_chunk, l2norm_factor, length_jit, load_beta,
                      load_gam_block, lowp_dot, mark_invalid, sum_squares, tune_size)
 
 
@@ -152,14 +153,17 @@ def chunk_kda_fwd_kernel_intra(
         m_r = o_t < tl.where(i_hv % (HV // H) == 0, Tc, 0)
         tl.store(rq + (t0 + o_t) * H + i_h, b_rq, mask=m_r)
         tl.store(rk + (t0 + o_t) * H + i_h, b_rk, mask=m_r)
+        # the rows enter the Aqk / Akk dots normalised (|q_i|, |k_i| <= 1), which is what lets the fast path take
+        # the wider span (common.SPAN_UNIT)
+        span = SPAN_UNIT
     else:
         b_rq = tl.full([BT], 1.0, dtype=tl.float32)
         b_rk = tl.full([BT], 1.0, dtype=tl.float32)
-    b_bk = b_beta * b_rk                                                                  # [BT] kbg's and L's row factor
+        span = SPAN
+    b_bk = b_beta * b_rk                                                                  # [BT] kbg's row factor
     tl.debug_barrier()
 
-    # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (raw q, k: the l2norm
-    # factors are applied to the sums)
+    # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (q, k with their l2norm factors)
     o_j = (o_t // BC) * BC                              # [BT] first row of each row's 16-row block
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i), every block in the
     # dot layout; entries above the diagonal are masked once after the K loop
@@ -190,14 +194,19 @@ def chunk_kda_fwd_kernel_intra(
         else:
             tl.store(kd + o_tk, b_kd, mask=m_tk)
         if not SAVED_A:
+            if USE_L2NORM:
+                # a non-finite k element stays non-finite (its row factor is 0: 0 * inf and 0 * NaN are NaN)
+                b_q = b_q * b_rq[:, None]
+                b_k = b_k * b_rk[:, None]
             # Fast path: every block (diagonal ones included) by tensor-core dots factored around the middle row
-            # m_r of its row block, when all |gam_i - gam_m(i)| <= SPAN in this K-block: the row factors
+            # m_r of its row block, when all |gam_i - gam_m(i)| <= span in this K-block: the row factors
             # exp2(gam_i - gam_m) and the own-block column factors exp2(gam_m - gam_j) then stay in
-            # [2^-SPAN, 2^SPAN] (no overflow, no flush to zero in fp32 / bf16 / tf32); earlier column blocks
-            # have factors <= 1. Entries above the diagonal come out finite and are masked after the loop.
+            # [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing overflows and what a flush costs);
+            # earlier column blocks have factors <= 1. Entries above the diagonal (their factors' product up to
+            # 2^(2 span): inf or NaN with SPAN_UNIT) are selected away after the loop.
             o_m = tl.minimum(o_j + BC // 2, Tc - 1)                          # [BT] middle row of i's row block
             b_dm = b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)   # [BT, BK]
-            if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= SPAN:
+            if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
                 b_e = tl.exp2(b_dm)                                         # [BT, BK] exp2(gam_i - gam_m(i))
                 b_qe = b_q * b_e
                 b_ke = b_k * b_e
@@ -206,10 +215,10 @@ def chunk_kda_fwd_kernel_intra(
                     m_r = (o_t >= r0) & (o_t < r0 + BC)                      # [BT] rows of block r
                     rm = tl.minimum(r0 + BC // 2, Tc - 1)
                     b_gm = tl.load(gam + rm * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)   # [BK]
-                    # [BT, BK] column factors exp2(gam_m - gam_j): <= 1 for the earlier blocks, <= 2^SPAN in the
+                    # [BT, BK] column factors exp2(gam_m - gam_j): <= 1 for the earlier blocks, <= 2^span in the
                     # own block (the clamp there only keeps the unused later rows finite)
                     b_x = b_gm[None, :] - b_g
-                    b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, SPAN))
+                    b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, span))
                     b_kc = tl.where((o_t < r0 + BC)[:, None], b_k * tl.exp2(b_x), 0.0)
                     b_kc = tl.trans(b_kc.to(DOT_DT))
                     # [BT, BK] @ [BK, BT] -> [BT, BT] (rows of block r only)
@@ -229,9 +238,9 @@ def chunk_kda_fwd_kernel_intra(
         # to 0, as a zeroed k_r would give (the inverse's dots would carry a NaN to every row of the block, 0 * NaN);
         # in Aqk such entries stay only at i >= r, rows that the W/U kernel turns to NaN
         b_akk = tl.where((o_t[None, :] < o_t[:, None]) & finite(b_akk), b_akk, 0.0)
-        # scale, l2norm factors, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
-        b_aqk = b_aqk * (f_scale * b_rq)[:, None] * b_rk[None, :]
-        b_akk = b_akk * b_bk[:, None] * b_rk[None, :]
+        # scale, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
+        b_aqk = b_aqk * f_scale
+        b_akk = b_akk * b_beta[:, None]
         p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
         tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
         tl.store(scr + p_a, b_akk, mask=m_t[:, None])
