@@ -3,6 +3,7 @@
     python benchmarks/bench_kda.py                                   # both modes, every regime, headline shapes
     python benchmarks/bench_kda.py --modes fwd --regimes strong safe_gate
     python benchmarks/bench_kda.py --shapes 1,8192,32,128 2,4096,8,256 --providers kda_ops
+    python benchmarks/bench_kda.py --providers kda_ops fla fla_compat --modes fwd   # + the drop-in for FLA
 
 Inputs come from kda_ops.testing.make_inputs (bf16; gate, q/k l2norm and beta sigmoid inside the op). In the
 safe_gate regime kda_ops runs with lower_bound=-5 and FLA with safe_gate=True, lower_bound=-5 (its bounded-gate
@@ -11,7 +12,8 @@ taken, so a run cut short keeps what it measured. ``ms`` is the median of triton
 (fwd: forward under no_grad; fwdbwd: forward + backward through autograd), after one throwaway measurement
 per provider; ``peak_extra_mib`` is the peak of torch.cuda.max_memory_allocated during one call minus the
 memory allocated before it.
-Only the public API is called (kda_ops.chunk_kda), so the script does not depend on how the kernels are split.
+Only the public API is called (kda_ops.chunk_kda; provider fla_compat: kda_ops.fla_compat.chunk_kda, FLA's
+signature, called as FLA is), so the script does not depend on how the kernels are split.
 """
 from __future__ import annotations
 
@@ -57,7 +59,15 @@ def fn_fla(x):
     return lambda: chunk_kda(**kw)[0]
 
 
-PROVIDERS = {"kda_ops": fn_kda_ops, "fla": fn_fla}
+def fn_fla_compat(x):
+    from kda_ops import fla_compat
+    kw = dict(x)
+    kw["safe_gate"] = kw.get("lower_bound") is not None
+    return lambda: fla_compat.chunk_kda(**kw)[0]
+
+
+PROVIDERS = {"kda_ops": fn_kda_ops, "fla": fn_fla, "fla_compat": fn_fla_compat}
+DEFAULT_PROVIDERS = ["kda_ops", "fla"]
 
 
 def make_step(f, x, backward):
@@ -166,7 +176,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=HEADLINE_SHAPES,
                     help="B,T,H,D with K = V = D (default: the two headline shapes; --all-shapes adds four)")
     ap.add_argument("--all-shapes", action="store_true", help="the headline shapes and " + str(MORE_SHAPES))
-    ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=DEFAULT_PROVIDERS)
     ap.add_argument("--csv", default=CSV_PATH, help="file the rows are appended to")
     ap.add_argument("--no-write", action="store_true", help="print only")
     a = ap.parse_args(argv)

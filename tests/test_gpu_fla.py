@@ -9,13 +9,12 @@ state and output_final_state=True; in the safe_gate regime both get safe_gate=Tr
     v, g, beta and the initial state agree to <= 2e-2; dA_log / ddt_bias and every error against fp64 are
     reported (tests/test_gpu_regimes.py bounds them).
   - fused_recurrent_kda (forward only: decode at T=1, and a short varlen batch): o and the final state, as above.
-  - one timing line per regime at (1, 8192, 32, 128): fla_compat.chunk_kda forward against FLA's forward
-    (triton.testing.do_bench, no_grad; printed, not asserted). kda_ops autotunes unless KDA_OPS_AUTOTUNE=0.
+
+Their speed is a benchmark's: `python benchmarks/bench_kda.py --providers kda_ops fla fla_compat`.
 
 Tables are printed (pytest -s):
 
-    KDA_OPS_AUTOTUNE=0 python -m pytest -q -s -p no:cacheprovider tests/test_gpu_fla.py -k "not speed"
-    python -m pytest -q -s -p no:cacheprovider tests/test_gpu_fla.py -k speed
+    KDA_OPS_AUTOTUNE=0 python -m pytest -q -s -p no:cacheprovider tests/test_gpu_fla.py
 """
 from __future__ import annotations
 
@@ -186,25 +185,3 @@ def test_fused_recurrent_kda_matches_fla(regime, shape):
     ROWS.extend(rows)
     print(f"\nfused_recurrent_kda {regime} {shape}\n" + table(rows), flush=True)
     assert not problems, f"fused_recurrent_kda {regime} {shape}: " + "; ".join(problems)
-
-
-@pytest.mark.parametrize("regime", REGIMES)
-def test_chunk_kda_fwd_speed(regime):
-    """Printed only: forward ms of fla_compat.chunk_kda and FLA's chunk_kda on the same inputs."""
-    from triton.testing import do_bench
-
-    from kda_ops import fla_compat
-    from kda_ops.kernels.common import AUTOTUNE
-    chunk_fla, _ = fla_ops()
-    B, T, H, D = 1, 8192, 32, 128
-    x = make_inputs(B, T, H, D, regime=regime, dtype=DTYPE, device=DEVICE, seed=0)
-    kw = dict(x, safe_gate=x["lower_bound"] is not None)
-    ms = {}
-    with torch.no_grad():
-        for name, fn in (("kda_ops", fla_compat.chunk_kda), ("fla", chunk_fla)):
-            fn(**kw)                                   # compile and autotune outside the timing
-            torch.cuda.synchronize()
-            ms[name] = do_bench(lambda: fn(**kw))
-    print(f"\nfwd {regime} ({B}, {T}, {H}, {D}) bf16: fla_compat.chunk_kda {ms['kda_ops']:.3f} ms, "
-          f"FLA chunk_kda {ms['fla']:.3f} ms, FLA / kda_ops {ms['fla'] / ms['kda_ops']:.2f}x "
-          f"(kda_ops autotune {'on' if AUTOTUNE else 'off: KDA_OPS_AUTOTUNE=0'})", flush=True)
