@@ -47,9 +47,9 @@ reach 2^span, past fp16's range).
 Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is
 not finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not
 finite, or an element of its v is not finite. The gate's invalid elements count as a zero log decay (selection
-in load_gam_block); beta's are zeroed where beta is a factor. k is loaded as it is: a non-finite k_r makes row
-r and column r of Akk non-finite and nothing else (a dot carries a NaN operand element into its own row or
-column only), and those entries are selected to 0 after the K loop, which is what a zeroed k_r would give, so
+in load_gam_block); beta's are zeroed where beta is a factor. k is loaded as it is: below the diagonal, a
+non-finite k_r makes row r and column r of Akk non-finite and nothing else (a dot carries a NaN operand element
+into its own row or column only), and those entries are selected to 0 after the K loop, which is what a zeroed k_r would give, so
 every row before the chunk's first invalid row f comes out as with a finite value there (in Aqk the entries
 stay at i >= r, rows that become NaN). This kernel finds no rows (a row reduction here costs the autotuned
 forward ~10% on the H200, ~240 registers live): the W/U kernel (fwd_wu.py) does, and writes NaN rows of qg, kd
@@ -234,9 +234,9 @@ def chunk_kda_fwd_kernel_intra(
                 b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
-        # a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and nothing else: selected
-        # to 0, as a zeroed k_r would give (the inverse's dots would carry a NaN to every row of the block, 0 * NaN);
-        # in Aqk such entries stay only at i >= r, rows that the W/U kernel turns to NaN
+        # below the diagonal, a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and
+        # nothing else: selected to 0, as a zeroed k_r would give (the inverse's dots would carry a NaN to every row
+        # of the block, 0 * NaN); in Aqk such entries stay only at i >= r, rows that the W/U kernel turns to NaN
         b_akk = tl.where((o_t[None, :] < o_t[:, None]) & finite(b_akk), b_akk, 0.0)
         # scale, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
         b_aqk = b_aqk * f_scale
