@@ -44,20 +44,20 @@ Storage, two modes (``lowp``, see IntraOut):
   [B, T, HV, K] (fp16's range is too small for the state as a dot operand).
 The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (the fast path's factors
 reach 2^span, past fp16's range).
-Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is
-not finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not
-finite, or an element of its v is not finite. The gate's invalid elements count as a zero log decay (selection
-in load_gam_block); beta's are zeroed where beta is a factor. k is loaded as it is: below the diagonal, a
-non-finite k_r makes row r and column r of Akk non-finite and nothing else (a dot carries a NaN operand element
-into its own row or column only), and those entries are selected to 0 after the K loop, which is what a zeroed k_r would give, so
-every row before the chunk's first invalid row f comes out as with a finite value there (in Aqk the entries
-stay at i >= r, rows that become NaN). This kernel finds no rows (a row reduction here costs the autotuned
-forward ~10% on the H200, ~240 registers live): the W/U kernel (fwd_wu.py) does, and writes NaN rows of qg, kd
-and gam from f on (o = NaN from f on, and a NaN state leaving the chunk). What this kernel passes on is
-elementwise: kbg is marked -0.0 where k or the gate is invalid (the gate's validity is marked in gam's lowest
-mantissa bit by the pre-processing, common.load_gam_block; common.mark_invalid), so the W/U kernel feeds kbg
-into its dot as it is (a mark is a zero) and finds those rows from the marks, reading neither k nor the gate
-again; it checks the raw beta itself (load_beta).
+Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is not
+finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not finite, or an
+element of its v is not finite. The gate's invalid elements count as a zero log decay (selection in load_gam_block);
+beta's are zeroed where beta is a factor. k is loaded as it is: below the diagonal, a non-finite k_r makes row r and
+column r of Akk non-finite and nothing else (a dot carries a NaN operand element into its own row or column only),
+and those entries are selected to 0 after the K loop, which is what a zeroed k_r would give, so every row before the
+chunk's first invalid row f comes out as with a finite value there (in Aqk the entries stay at i >= r, rows that
+become NaN). This kernel finds no rows (a row reduction here costs the autotuned forward ~10% on the H200, ~240
+registers live): the W/U kernel (fwd_wu.py) does, and writes NaN rows of qg, kd and gam from f on (o = NaN from f
+on, and a NaN state leaving the chunk). What this kernel passes on is elementwise: kbg is marked -0.0 where k or the
+gate is invalid (the gate's validity is marked in gam's lowest mantissa bit by the pre-processing,
+common.load_gam_block; common.mark_invalid), so the W/U kernel feeds kbg into its dot as it is (a mark is a zero)
+and finds those rows from the marks, reading neither k nor the gate again; it checks the raw beta itself
+(load_beta).
 """
 from __future__ import annotations
 
