@@ -52,18 +52,21 @@ def fn_kda_ops(x):
     return lambda: kda_ops.chunk_kda(**x)[0]
 
 
+def fla_call(chunk_kda, x):
+    """One call of an FLA-signature chunk_kda on x, in FLA's bounded-gate mode (safe_gate) where x has a
+    lower_bound."""
+    kw = dict(x, safe_gate=x.get("lower_bound") is not None)
+    return lambda: chunk_kda(**kw)[0]
+
+
 def fn_fla(x):
     from fla.ops.kda import chunk_kda
-    kw = dict(x)
-    kw["safe_gate"] = kw.get("lower_bound") is not None
-    return lambda: chunk_kda(**kw)[0]
+    return fla_call(chunk_kda, x)
 
 
 def fn_fla_compat(x):
     from kda_ops import fla_compat
-    kw = dict(x)
-    kw["safe_gate"] = kw.get("lower_bound") is not None
-    return lambda: fla_compat.chunk_kda(**kw)[0]
+    return fla_call(fla_compat.chunk_kda, x)
 
 
 PROVIDERS = {"kda_ops": fn_kda_ops, "fla": fn_fla, "fla_compat": fn_fla_compat}
