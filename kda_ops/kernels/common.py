@@ -256,7 +256,7 @@ SPAN = tl.constexpr(60.0)
 # element that flushes to zero (below 2^-126) drops a term below 2^-126 * 2^96 = 2^-30 (the other operand is at
 # most 2^96) from a sum whose terms are at most 1. Entries above the diagonal may overflow; they are discarded.
 SPAN_UNIT = tl.constexpr(96.0)
-# Floor of one step's log decay g in the chunked kernels (natural log units): see load_gam_block
+# Floor of one step's log decay g in the chunked kernels (natural log units): see gam_block
 G_MIN = tl.constexpr(-128.0)
 
 
@@ -338,18 +338,6 @@ def poison_rows(qg, kd, gam, f, Tc, HV, K: tl.constexpr, BT: tl.constexpr, BK: t
 
 
 @triton.jit
-def sum_squares(x, Tc, H, i_k, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Row sums of x^2 over K-block i_k of one chunk (x at its first row and head, row stride H * K): [BT] fp32,
-    0 past Tc. The K-blocks' sums add up to what l2norm_factor takes."""
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    # [BT, BK]
-    b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
-                  mask=(o_t[:, None] < Tc) & (o_k[None, :] < K), other=0.0).to(tl.float32)
-    return tl.sum(b_x * b_x, axis=1)
-
-
-@triton.jit
 def l2norm_factor(b_ss, EPS: tl.constexpr, ZERO_BAD: tl.constexpr):
     """Per-row factor of the in-op l2norm, 1 / sqrt(sum_d x^2 + eps), from the row sums of squares b_ss [BT].
     ZERO_BAD (k): 0 for a row with a NaN or inf element (its sum of squares is NaN or inf; a sum of finite
@@ -392,30 +380,51 @@ def gate_scale(A_log, i_hv, HAS_A_LOG: tl.constexpr):
 
 
 @triton.jit
-def gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """The gate's input of one chunk and K-block: g (+ dt_bias with the in-op gate), [BT, BK] fp32, 0 past Tc."""
+def chunk_tile(x, Tc, sx, i_k, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """K-block i_k of one chunk's rows of x (x at the chunk's first row, row stride sx) as stored: [BT, BK],
+    zero past Tc and past K."""
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
-    # [BT, BK]
-    b_x = tl.load(g + (t0 + o_t[:, None]) * (HV * K) + i_hv * K + o_k[None, :],
-                  mask=(o_t < Tc)[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
-    if USE_GATE and HAS_DT_BIAS:
-        # [BK]
-        b_x = b_x + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-    return b_x
+    return tl.load(x + o_t[:, None] * sx + o_k[None, :], mask=(o_t < Tc)[:, None] & (o_k < K)[None, :], other=0.0)
 
 
 @triton.jit
-def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
-              HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-              HAS_LOWER_BOUND: tl.constexpr):
-    """The activated log decay of one chunk and K-block: [BT, BK] fp32 (natural log units), 0 past Tc. NaN and
-    +inf are invalid inputs, -inf a full reset (caller: load_gam_block)."""
-    b_g = gate_input(g, dt_bias, i_hv, t0, Tc, i_k, HV, K, BT, BK, USE_GATE, HAS_DT_BIAS)   # [BT, BK]
+def pass_tiles(q, k, g, dt_bias, Tc, i_k, sq, sg, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               USE_L2NORM: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """What the forward intra kernel's pre-processing takes of K-block i_k, as stored and without arithmetic
+    (loads only, so that the kernel can issue them a block ahead of their use): q, k, g [BT, BK] (q, k, g at the
+    chunk's first row and head; row strides sq, sg) and dt_bias [BK] (at the value head). q and k are zeros
+    without USE_L2NORM and dt_bias without HAS_DT_BIAS (not loaded). Zero past Tc and past K."""
+    if USE_L2NORM:
+        b_q = chunk_tile(q, Tc, sq, i_k, K, BT, BK)
+        b_k = chunk_tile(k, Tc, sq, i_k, K, BT, BK)
+    else:
+        b_q = tl.zeros([BT, BK], dtype=q.dtype.element_ty)
+        b_k = tl.zeros([BT, BK], dtype=k.dtype.element_ty)
+    o_k = i_k * BK + tl.arange(0, BK)
+    if HAS_DT_BIAS:
+        b_db = tl.load(dt_bias + o_k, mask=o_k < K, other=0.0)
+    else:
+        b_db = tl.zeros([BK], dtype=tl.float32)
+    return b_q, b_k, chunk_tile(g, Tc, sg, i_k, K, BT, BK), b_db
+
+
+@triton.jit
+def gam_block(b_x, b_db, b_a, lower_bound, Tc, i_k, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """gam of one chunk and K-block: the in-chunk cumsum of the activated gate, [BT, BK] fp32 in log2 units,
+    from the raw gate b_x [BT, BK] and dt_bias b_db [BK] (pass_tiles) and the gate's scale b_a (gate_scale).
+    With the in-op gate, the activated log decay is -a softplus(x + dt_bias), or lower_bound sigmoid(a (x +
+    dt_bias)) with HAS_LOWER_BOUND (natural log units); without it, b_x is the log decay itself.
+
+    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
+    so do invalid elements (NaN, +inf: selection). Each element's lowest mantissa bit says whether the gate
+    element of its row was invalid (gam_valid); the change of at most 1 ulp is below fp32's own rounding of gam.
+    """
+    b_g = b_x.to(tl.float32)
     if USE_GATE:
-        b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
+        if HAS_DT_BIAS:
+            b_g = b_g + b_db.to(tl.float32)[None, :]
         if HAS_LOWER_BOUND:
             b_g = lower_bound * tl.sigmoid(b_a * b_g)
         else:
@@ -423,25 +432,9 @@ def load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
         o_t = tl.arange(0, BT)
         o_k = i_k * BK + tl.arange(0, BK)
         b_g = tl.where((o_t < Tc)[:, None] & (o_k < K)[None, :], b_g, 0.0)
-    return b_g
-
-
-@triton.jit
-def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
-                   HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                   HAS_LOWER_BOUND: tl.constexpr):
-    """gam of one chunk and K-block: the in-chunk cumsum of the activated gate, [BT, BK] fp32 in log2 units.
-
-    Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
-    so do invalid elements (NaN, +inf: selection). Each element's lowest mantissa bit says whether the gate
-    element of its row was invalid (gam_valid); the change of at most 1 ulp is below fp32's own rounding of gam.
-    """
-    b_g = load_gate(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound, HV, K, BT, BK,
-                    USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)
-    # -inf is a valid full reset: a step below G_MIN decays to exactly 0 in fp32 either way (exp(-104) is below
-    # the smallest fp32); raising it to G_MIN keeps the cumsum finite (g = -inf would make gam_i - gam_j =
-    # -inf + inf = NaN) and well conditioned
+    # NaN and +inf are invalid inputs. -inf is a valid full reset: a step below G_MIN decays to exactly 0 in fp32
+    # either way (exp(-104) is below the smallest fp32); raising it to G_MIN keeps the cumsum finite (g = -inf
+    # would make gam_i - gam_j = -inf + inf = NaN) and well conditioned
     ok = b_g < float("inf")
     b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
     b_gam = tl.cumsum(b_g, axis=0) * LOG2E
@@ -453,7 +446,7 @@ def load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, lower_bound,
 
 @triton.jit
 def gam_valid(b_g):
-    """Elementwise on gam as load_gam_block stores it: whether the gate element of that row was valid."""
+    """Elementwise on gam as gam_block makes it: whether the gate element of that row was valid."""
     return (b_g.to(tl.int32, bitcast=True) & 1) == 0
 
 

@@ -46,7 +46,7 @@ The Aqk / Akk dots take bf16 operands for bf16 inputs and tf32 for fp16 ones (th
 reach 2^span, past fp16's range).
 Non-finite inputs (causality as in the recurrence): a row is invalid when an element of its k (key head) is not
 finite, its activated gate is NaN or +inf (-inf is a full reset, floored), its activated beta is not finite, or an
-element of its v is not finite. The gate's invalid elements count as a zero log decay (selection in load_gam_block);
+element of its v is not finite. The gate's invalid elements count as a zero log decay (selection in gam_block);
 beta's are zeroed where beta is a factor. k is loaded as it is: below the diagonal, a non-finite k_r makes row r and
 column r of Akk non-finite and nothing else (a dot carries a NaN operand element into its own row or column only),
 and those entries are selected to 0 after the K loop, which is what a zeroed k_r would give, so every row before the
@@ -55,7 +55,7 @@ become NaN). This kernel finds no rows (a row reduction here costs the autotuned
 registers live): the W/U kernel (fwd_wu.py) does, and writes NaN rows of qg, kd and gam from f on (o = NaN from f
 on, and a NaN state leaving the chunk). What this kernel passes on is elementwise: kbg is marked -0.0 where k or the
 gate is invalid (the gate's validity is marked in gam's lowest mantissa bit by the pre-processing,
-common.load_gam_block; common.mark_invalid), so the W/U kernel feeds kbg into its dot as it is (a mark is a zero)
+common.gam_block; common.mark_invalid), so the W/U kernel feeds kbg into its dot as it is (a mark is a zero)
 and finds those rows from the marks, reading neither k nor the gate again; it checks the raw beta itself
 (load_beta).
 """
@@ -69,8 +69,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, chunk_bounds,
-                     dot_precision, finite, gam_valid, gate_args, kd_chunk, l2norm_factor, length_jit, load_beta,
-                     load_gam_block, lowp_dot, mark_invalid, sum_squares, tune_size)
+                     dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale, kd_chunk, l2norm_factor,
+                     length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
 
 @triton.autotune(
@@ -136,16 +136,26 @@ def chunk_kda_fwd_kernel_intra(
     b_beta = load_beta(beta, i_hv, t0, Tc, HV, BT, USE_BETA_SIGMOID, ALLOW_NEG_EIGVAL)    # [BT]
     b_beta = tl.where(finite(b_beta), b_beta, 0.0)
     tl.store(beta_act + (t0 + o_t) * HV + i_hv, b_beta, mask=m_t)
-    # one pass over the K-blocks: the sums of squares of q and k, and the gate with its cumsum
+    # one pass over the K-blocks: the sums of squares of q and k, and the gate with its cumsum. The raw tiles of
+    # block i_k + 1 are loaded while block i_k is worked on: at two programs per SM nothing else hides their
+    # latency (past the last block the loads are masked off)
     b_ssq = tl.zeros([BT], dtype=tl.float32)
     b_ssk = tl.zeros([BT], dtype=tl.float32)
+    b_a = gate_scale(A_log, i_hv, HAS_A_LOG)
+    g_c = g + t0 * sg + i_hv * K
+    db_c = dt_bias + i_hv * K
+    n_q, n_k, n_g, n_db = pass_tiles(q, k, g_c, db_c, Tc, 0, sq, sg, K, BT, BK, USE_L2NORM, USE_GATE and HAS_DT_BIAS)
     for i_k in range(tl.cdiv(K, BK)):
+        b_q, b_k, b_g, b_db = n_q, n_k, n_g, n_db
+        n_q, n_k, n_g, n_db = pass_tiles(q, k, g_c, db_c, Tc, i_k + 1, sq, sg, K, BT, BK, USE_L2NORM,
+                                         USE_GATE and HAS_DT_BIAS)
         o_k = i_k * BK + tl.arange(0, BK)
         if USE_L2NORM:
-            b_ssq += sum_squares(q, Tc, H, i_k, K, BT, BK)
-            b_ssk += sum_squares(k, Tc, H, i_k, K, BT, BK)
-        b_gam = load_gam_block(g, A_log, dt_bias, i_hv, t0, Tc, i_k, f_lb, HV, K, BT, BK,
-                               USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND)      # [BT, BK]
+            b_q = b_q.to(tl.float32)
+            b_k = b_k.to(tl.float32)
+            b_ssq += tl.sum(b_q * b_q, axis=1)
+            b_ssk += tl.sum(b_k * b_k, axis=1)
+        b_gam = gam_block(b_g, b_db, b_a, f_lb, Tc, i_k, K, BT, BK, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND)  # [BT, BK]
         tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
     if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
         b_rq = l2norm_factor(b_ssq, L2NORM_EPS, False)                                        # [BT]
