@@ -69,8 +69,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, chunk_bounds,
-                     dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale, kd_chunk, l2norm_factor,
-                     length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
+                     chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale, kd_chunk,
+                     l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
 
 @triton.autotune(
@@ -179,13 +179,19 @@ def chunk_kda_fwd_kernel_intra(
     # dot layout; entries above the diagonal are masked once after the K loop
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    # q and k of K-block i_k + 1 are loaded while block i_k is worked on, as in the pass (gam is not: here the
+    # kernel is at its register limit; two more tiles spill 16 bytes, which measured faster than waiting)
+    n_q = chunk_tile(q, Tc, sq, 0, K, BT, BK)
+    n_k = chunk_tile(k, Tc, sq, 0, K, BT, BK)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         # [BT, BK]
-        b_q = tl.load(q + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + o_t[:, None] * sq + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q = n_q.to(tl.float32)
+        b_k = n_k.to(tl.float32)
+        n_q = chunk_tile(q, Tc, sq, i_k + 1, K, BT, BK)
+        n_k = chunk_tile(k, Tc, sq, i_k + 1, K, BT, BK)
         b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
         # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
