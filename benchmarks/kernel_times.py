@@ -2,6 +2,14 @@
 
     python benchmarks/kernel_times.py --mode fwd --shape 4,4096,32,128 [--regime strong] [--providers kda_ops fla]
 
+With --ncu, one call per provider after the warm-up runs between cudaProfilerStart and cudaProfilerStop, and
+nothing is timed: for Nsight Compute with the autotuned configs, e.g. the source-level stall samples of the
+forward kernels,
+
+    ncu --profile-from-start off --set full --import-source yes -k regex:chunk_kda_fwd -o fwd \
+        python benchmarks/kernel_times.py --mode fwd --shape 1,8192,32,128 --providers kda_ops --ncu
+    ncu -i fwd.ncu-rep --page source --csv --print-source sass -k regex:intra > intra.csv
+
 Each provider is warmed up (autotuning done), then ITERS calls are profiled and every kernel's device time is
 divided by ITERS: a kernel launched twice per call (e.g. a forward stage rerun by the backward) shows its sum.
 Also printed: the host time of a call (bench_kda.host_ms); when it exceeds the kernels' sum the call is bound
@@ -12,6 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kda import PROVIDERS, host_ms, inputs, kernel_ms, make_step, parse_shape  # noqa: E402
@@ -26,12 +36,22 @@ def main():
     ap.add_argument("--shape", type=parse_shape, default=(4, 4096, 32, 128), help="B,T,H,D (K = V = D)")
     ap.add_argument("--regime", choices=REGIMES, default="weak")
     ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    ap.add_argument("--ncu", action="store_true", help="one profiled call per provider (for ncu), no timing")
     a = ap.parse_args()
     B, T, H, D = a.shape
     backward = a.mode == "fwdbwd"
     for name in a.providers:
         x = inputs(B, T, H, D, a.regime, backward)
         step = make_step(PROVIDERS[name](x), x, backward)
+        if a.ncu:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            continue
         host = host_ms(step, ITERS)
         per, launches = kernel_ms(step, ITERS)
         print(f"== {name} {a.mode} {a.regime} {a.shape}: kernels {sum(per.values()):.3f} ms per call, "
