@@ -2,7 +2,7 @@
 
 One program per (chunk, value head): the gate and beta activation (common.py's helpers), gam, beta, Aqk, L
 and Tm, and kd, qg and kbg from the q, k and gam tiles it loads anyway; W and U follow from Tm and kbg in
-fwd_wu.py. This kernel needs ~240 registers per thread in every phase (two programs per SM at 4 warps); the W/U
+fwd_wu.py. This kernel needs ~250 registers per thread in its main loop (two programs per SM at 4 warps); the W/U
 kernel needs far fewer, so it runs more programs per SM.
 
     gam      [BT, K]   in-chunk cumsum of the activated log decay, log2 units (stored: the kernel re-reads it)
