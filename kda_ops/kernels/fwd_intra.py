@@ -192,7 +192,7 @@ def chunk_kda_fwd_kernel_intra(
         b_k = n_k.to(tl.float32)
         n_q = chunk_tile(q, Tc, sq, i_k + 1, K, BT, BK)
         n_k = chunk_tile(k, Tc, sq, i_k + 1, K, BT, BK)
-        b_g = tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+        b_g = chunk_tile(gam, Tc, sg, i_k, K, BT, BK)
         # the state pass's operands, l2norm factors applied: qg = scale q exp2(gam), kd = k exp2(gam_last - gam)
         b_gl = tl.load(gam + (Tc - 1) * sg + o_k, mask=m_k, other=0.0)                       # [BK]
         o_tk = o_t[:, None] * sg + o_k[None, :]
