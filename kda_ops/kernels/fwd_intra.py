@@ -175,6 +175,7 @@ def chunk_kda_fwd_kernel_intra(
 
     # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (q, k with their l2norm factors)
     o_j = (o_t // BC) * BC                              # [BT] first row of each row's 16-row block
+    m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                    # [BT, BT] same diagonal block
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i), every block in the
     # dot layout; entries above the diagonal are masked once after the K loop
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -214,39 +215,31 @@ def chunk_kda_fwd_kernel_intra(
                 # a non-finite k element stays non-finite (its row factor is 0: 0 * inf and 0 * NaN are NaN)
                 b_q = b_q * b_rq[:, None]
                 b_k = b_k * b_rk[:, None]
-            # Fast path: every block (diagonal ones included) by tensor-core dots factored around the middle row
-            # m_r of its row block, when all |gam_i - gam_m(i)| <= span in this K-block: the row factors
-            # exp2(gam_i - gam_m) and the own-block column factors exp2(gam_m - gam_j) then stay in
-            # [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing overflows and what a flush costs);
-            # earlier column blocks have factors <= 1. Entries above the diagonal (their factors' product up to
-            # 2^(2 span): inf or NaN with SPAN_UNIT) are selected away after the loop.
+            # The diagonal 16-row blocks take the fast path when every |gam_i - gam_m(i)| <= span in this K-block
+            # (m(i) the middle row of i's block): the row factors exp2(gam_i - gam_m) and the column factors
+            # exp2(gam_m - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing overflows
+            # and what a flush costs). The test's loads and reduction are issued before the levels below.
             o_m = tl.minimum(o_j + BC // 2, Tc - 1)                          # [BT] middle row of i's row block
             b_dm = b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)   # [BT, BK]
-            if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
+            fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+            # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split (split_level)
+            for lb in tl.static_range(5, 7):
+                b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lb, BT,
+                                           DOT_DT, PREC)
+            if fast:
+                # the four diagonal blocks in one dot per operand; entries outside them are discarded (their
+                # factors' product reaches 2^(2 span): inf or NaN with SPAN_UNIT), as are those above the diagonal
                 b_e = tl.exp2(b_dm)                                         # [BT, BK] exp2(gam_i - gam_m(i))
-                b_qe = b_q * b_e
-                b_ke = b_k * b_e
-                for i_r in range(BT // BC):
-                    r0 = i_r * BC
-                    m_r = (o_t >= r0) & (o_t < r0 + BC)                      # [BT] rows of block r
-                    rm = tl.minimum(r0 + BC // 2, Tc - 1)
-                    b_gm = tl.load(gam + rm * sg + o_k, mask=m_k & ((o_k * 0 + r0) < Tc), other=0.0)   # [BK]
-                    # [BT, BK] column factors exp2(gam_m - gam_j): <= 1 for the earlier blocks, <= 2^span in the
-                    # own block (the clamp there only keeps the unused later rows finite)
-                    b_x = b_gm[None, :] - b_g
-                    b_x = tl.where((o_t < r0)[:, None], tl.minimum(b_x, 0.0), tl.minimum(b_x, span))
-                    b_kc = tl.where((o_t < r0 + BC)[:, None], b_k * tl.exp2(b_x), 0.0)
-                    b_kc = tl.trans(b_kc.to(DOT_DT))
-                    # [BT, BK] @ [BK, BT] -> [BT, BT] (rows of block r only)
-                    b_aqk += tl.dot(tl.where(m_r[:, None], b_qe, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
-                    b_akk += tl.dot(tl.where(m_r[:, None], b_ke, 0.0).to(DOT_DT), b_kc, input_precision=PREC)
+                b_kc = tl.trans((b_k * tl.exp2(-b_dm)).to(DOT_DT))          # [BK, BT]
+                # [BT, BK] @ [BK, BT] -> [BT, BT]
+                b_aqk += tl.where(m_blk, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+                b_akk += tl.where(m_blk, tl.dot((b_k * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
             else:
-                # exact for any decay: the binary split of the chunk (split_level), levels 2 .. 16 for the pairs
-                # inside a diagonal block, 32 and 64 for the pairs of different blocks; then i == j (decay 1)
-                for lv in range(1, 7):
-                    b_tq, b_tk = split_level(b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv, DOT_DT, PREC)
-                    b_aqk += b_tq
-                    b_akk += b_tk
+                # exact for any decay: levels 2 .. 16 of the binary split for the pairs inside a diagonal block,
+                # then i == j (decay 1)
+                for lv in range(1, 5):
+                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv,
+                                               BT, DOT_DT, PREC)
                 b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
@@ -283,7 +276,6 @@ def chunk_kda_fwd_kernel_intra(
         tl.debug_barrier()                                  # every thread has read Ld
         tl.store(scr + p_d3, b_d, mask=m_d3)
         tl.debug_barrier()
-        m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                # [BT, BT] same diagonal block
         b_dd = tl.load(scr + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
         # [BT, BT] @ [BT, BT] -> [BT, BT]
         b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
@@ -294,8 +286,8 @@ def chunk_kda_fwd_kernel_intra(
 
 
 @triton.jit
-def split_level(b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, DOT_DT: tl.constexpr,
-                PREC: tl.constexpr):
+def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: tl.constexpr,
+                DOT_DT: tl.constexpr, PREC: tl.constexpr):
     """One level of the binary split of a chunk's pairs j < i: in each S-row segment, the rows i of its second
     half against the columns j of its first half, factored around the segment's middle row R (j < R <= i):
     exp2(gam_i - gam_j) = exp2(gam_i - gam_R) exp2(gam_R - gam_j), both factors <= 1 whatever the decay (gam
@@ -309,11 +301,15 @@ def split_level(b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, DOT_DT: tl.constex
     m_hi = ((o_t % S) >= S // 2)[:, None]                          # [BT, 1] rows in the second half
     b_kc = tl.trans(tl.where(m_hi, 0.0, b_k * b_e).to(DOT_DT))    # [BK, BT] columns of the first half
     b_e = tl.where(m_hi, b_e, 0.0)
-    m_seg = (o_t // S)[:, None] == (o_t // S)[None, :]              # [BT, BT] same segment
     # [BT, BK] @ [BK, BT] -> [BT, BT]
-    b_tq = tl.where(m_seg, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
-    b_tk = tl.where(m_seg, tl.dot((b_k * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
-    return b_tq, b_tk
+    if S == BT:   # one segment: the dots make no other pairs
+        b_aqk = tl.dot((b_q * b_e).to(DOT_DT), b_kc, b_aqk, input_precision=PREC)
+        b_akk = tl.dot((b_k * b_e).to(DOT_DT), b_kc, b_akk, input_precision=PREC)
+    else:
+        m_seg = (o_t // S)[:, None] == (o_t // S)[None, :]          # [BT, BT] same segment
+        b_aqk += tl.where(m_seg, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+        b_akk += tl.where(m_seg, tl.dot((b_k * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+    return b_aqk, b_akk
 
 
 class IntraOut(NamedTuple):
