@@ -97,14 +97,16 @@ def test_fwd_vs_recurrence(i):
 
 @interpreter_only
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm_in_op", "normalised"])
-def test_fwd_wide_span(l2norm):
-    """A log decay of 10.1 - 10.8 (log2) per token: each 16-row block spans 60 - 87 from its middle row, past
-    common.SPAN and within common.SPAN_UNIT. With the in-op l2norm the intra kernel takes the fast path there
-    (factors up to 2^87; entries above the diagonal overflow and are discarded), without it the exact path."""
+@pytest.mark.parametrize("decay", [7.0, 14.0, 21.0], ids=["d10", "d20", "d30"])
+def test_fwd_wide_span(l2norm, decay):
+    """A log decay of d .. d + 0.5 nats (10.1 - 10.8, 20.2 - 20.9 or 30.3 - 31.0 in log2) per token. At 10 a
+    16-row block spans 60 - 87 from its middle row, past common.SPAN and within common.SPAN_UNIT: with the in-op
+    l2norm the intra kernel's diagonal blocks take the fast path (factors up to 2^87; entries outside the blocks
+    overflow and are discarded), without it the exact levels. At 20 and 30 the exact levels both ways."""
     c = Case(B=1, T=150, H=1, HV=2, K=32, V=16, in_op=True, l2norm=l2norm, seqlens=[64, 86],
              dtype=torch.float32)
-    g = -(7.0 + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(5),
-                                 dtype=torch.float64))
+    g = -(decay + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(5),
+                                   dtype=torch.float64))
     over = dict(use_gate_in_kernel=False, A_log=None, dt_bias=None)
     (o, ht), (ro, rht) = run_case(c, over, seed=7, g=g)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()

@@ -17,16 +17,18 @@ kernel needs far fewer, so it runs more programs per SM.
 
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
 exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded).
-Per K-block, one of two paths, chosen in the kernel from the data (no host sync):
+The pairs of different 16-row blocks are always taken exactly, by levels 32 and 64 of a binary split of the chunk
+(split_level): at level S each S-row segment pairs the rows of its second half with the columns of its first half
+in one dot per operand, factored around the segment's middle row (both factors <= 1 for any decay). For the pairs
+inside the four diagonal blocks, per K-block one of two paths, chosen in the kernel from the data (no host sync):
 * fast (|gam_i - gam_m(i)| <= span for every row i, m(i) the middle row of i's 16-row block; span is
-  common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): each row
-  block r is one tensor-core dot against all columns j < 16 (r + 1), factored around its middle row:
-  (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); entries above the diagonal are masked after;
-* exact (a block spans more than span, e.g. strong decay without lower_bound): a binary split of the chunk
-  (split_level). At level S = 2, 4, .., 64 each S-row segment pairs the rows of its second half with the
-  columns of its first half in one dot per operand, factored around the segment's middle row (both factors
-  <= 1 for any decay); the levels together cover every pair j < i, and the diagonal i == j (decay 1) is added
-  from a row sum. Six levels, no per-pair loop: a K-block costs 6 exp2 tiles and 12 dots.
+  common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): all four
+  blocks in one tensor-core dot per operand, factored around each block's middle row:
+  (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); the entries outside the blocks are discarded, those
+  above the diagonal after the K loop. A K-block costs 4 exp2 tiles and 6 dots;
+* exact (a block spans more than span, e.g. strong decay without lower_bound): levels 2 .. 16 of the split, and
+  the diagonal i == j (decay 1) from a row sum. The six levels together cover every pair j < i, no per-pair
+  loop: a K-block costs 6 exp2 tiles and 12 dots.
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
@@ -293,8 +295,9 @@ def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: 
     exp2(gam_i - gam_j) = exp2(gam_i - gam_R) exp2(gam_R - gam_j), both factors <= 1 whatever the decay (gam
     does not increase: g <= 0 is the op's contract; written exp2(-|gam - gam_R|), so on this path a net
     increase of gam, from g > 0, would be taken as the same decrease). b_q, b_k, b_g: the K-block's [BT, BK]
-    rows (zero past Tc). Returns the [BT, BT] sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j) over the
-    K-block, zero outside those pairs. A factor that flushes to zero stands for a true product below 2^-126."""
+    rows (zero past Tc). Returns b_aqk and b_akk with the sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j)
+    over the K-block added at those pairs only (at S = BT the dots make no others and accumulate in place). A
+    factor that flushes to zero stands for a true product below 2^-126."""
     o_r = (o_t // S) * S + S // 2                                   # [BT] middle row of each row's segment
     b_gr = tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
     b_e = tl.exp2(-tl.abs(b_g - b_gr))                              # [BT, BK]
