@@ -252,10 +252,11 @@ L2NORM_EPS = tl.constexpr(1e-6)   # same constant as kda_ops.reference.L2NORM_EP
 # [2^-60, 2^60], so the masked entries above the diagonal stay finite (< 2^120 |q| |k|) and nothing flushes.
 SPAN = tl.constexpr(60.0)
 # The same bound where the rows enter the dots l2-normalised (the forward intra kernel with the in-op l2norm,
-# |q_i|, |k_i| <= 1): an operand is at most 2^96 in magnitude (bf16, tf32 and fp32 reach 2^128), and an operand
-# element that flushes to zero (below 2^-126) drops a term below 2^-126 * 2^96 = 2^-30 (the other operand is at
-# most 2^96) from a sum whose terms are at most 1. Entries above the diagonal may overflow; they are discarded.
-SPAN_UNIT = tl.constexpr(96.0)
+# |q_i|, |k_i| <= 1): an operand is at most 2^112 in magnitude (bf16, tf32 and fp32 reach 2^128), and an operand
+# element below 2^-126 (subnormal, or flushed to zero) loses at most a term 2^-126 * 2^112 = 2^-14 (the other operand
+# is at most 2^112) from a sum whose terms are at most 1.
+# Entries above the diagonal may overflow; they are discarded.
+SPAN_UNIT = tl.constexpr(112.0)
 # Floor of one step's log decay g in the chunked kernels (natural log units): see gam_block
 G_MIN = tl.constexpr(-128.0)
 

@@ -176,7 +176,6 @@ def chunk_kda_fwd_kernel_intra(
     tl.debug_barrier()
 
     # ---- Aqk and Akk for all rows of the chunk, accumulated over K-blocks (q, k with their l2norm factors)
-    o_j = (o_t // BC) * BC                              # [BT] first row of each row's 16-row block
     m_blk = (o_t[:, None] // BC) == (o_t[None, :] // BC)                    # [BT, BT] same diagonal block
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i), every block in the
     # dot layout; entries above the diagonal are masked once after the K loop
@@ -217,32 +216,32 @@ def chunk_kda_fwd_kernel_intra(
                 # a non-finite k element stays non-finite (its row factor is 0: 0 * inf and 0 * NaN are NaN)
                 b_q = b_q * b_rq[:, None]
                 b_k = b_k * b_rk[:, None]
-            # The diagonal 16-row blocks take the fast path when every |gam_i - gam_m(i)| <= span in this K-block
-            # (m(i) the middle row of i's block): the row factors exp2(gam_i - gam_m) and the column factors
-            # exp2(gam_m - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing overflows
-            # and what a flush costs). The test's loads and reduction are issued before the levels below.
-            o_m = tl.minimum(o_j + BC // 2, Tc - 1)                          # [BT] middle row of i's row block
-            b_dm = b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)   # [BT, BK]
+            # The diagonal 16-row blocks take one factored dot per operand when every |gam_i - gam_m(i)| <= span in
+            # this K-block (m(i) the middle row of i's block): the row factors exp2(gam_i - gam_m) and the column
+            # factors exp2(gam_m - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
+            # overflows and what a flush costs). The test's loads and reduction are issued before the levels below.
+            b_dm = middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, BC)                      # [BT, BK]
             fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
             # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split (split_level)
             for lb in tl.static_range(5, 7):
                 b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lb, BT,
                                            DOT_DT, PREC)
             if fast:
-                # the four diagonal blocks in one dot per operand; entries outside them are discarded (their
-                # factors' product reaches 2^(2 span): inf or NaN with SPAN_UNIT), as are those above the diagonal
-                b_e = tl.exp2(b_dm)                                         # [BT, BK] exp2(gam_i - gam_m(i))
-                b_kc = tl.trans((b_k * tl.exp2(-b_dm)).to(DOT_DT))          # [BK, BT]
-                # [BT, BK] @ [BK, BT] -> [BT, BT]
-                b_aqk += tl.where(m_blk, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
-                b_akk += tl.where(m_blk, tl.dot((b_k * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+                b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC, DOT_DT, PREC)
             else:
-                # exact for any decay: levels 2 .. 16 of the binary split for the pairs inside a diagonal block,
-                # then i == j (decay 1)
-                for lv in range(1, 5):
-                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv,
-                                               BT, DOT_DT, PREC)
-                b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
+                # down the split from level 16: each level S, then the same test for the S/2-row halves of its
+                # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
+                # rows, the diagonal i == j, which always passes). Every path covers each pair j <= i once.
+                go = True
+                for lv in range(4, 0, -1):
+                    if go:
+                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv,
+                                                   BT, DOT_DT, PREC)
+                        b_dm = middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, 1 << (lv - 1))
+                        if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
+                            b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, 1 << (lv - 1), DOT_DT,
+                                                         PREC)
+                            go = False
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         # below the diagonal, a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and
@@ -285,6 +284,29 @@ def chunk_kda_fwd_kernel_intra(
         for _ in range(BT // BC - 1):
             b_tm = b_dd - tl.dot(b_m, b_tm, input_precision=PREC)
         tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
+    """[BT, BK] gam_i - gam_m(i), m(i) the middle row of i's R-row block (the chunk's last row where the block
+    ends past it); 0 on rows past Tc. b_g: the K-block's gam rows."""
+    o_m = tl.minimum((o_t // R) * R + R // 2, Tc - 1)
+    return b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+
+
+@triton.jit
+def diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, R, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's middle row:
+    (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)), b_dm = gam_i - gam_m(i) (middle_delta) within the span.
+    Entries outside the blocks are discarded here (their factors' product may overflow), those above the diagonal
+    by the caller after the K loop. Returns b_aqk, b_akk with the K-block's sums added."""
+    m_blk = (o_t[:, None] // R) == (o_t[None, :] // R)                  # [BT, BT] same diagonal block
+    b_e = tl.exp2(b_dm)                                                 # [BT, BK] exp2(gam_i - gam_m(i))
+    b_kc = tl.trans((b_k * tl.exp2(-b_dm)).to(DOT_DT))                  # [BK, BT]
+    # [BT, BK] @ [BK, BT] -> [BT, BT]
+    b_aqk += tl.where(m_blk, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+    b_akk += tl.where(m_blk, tl.dot((b_k * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
+    return b_aqk, b_akk
 
 
 @triton.jit
