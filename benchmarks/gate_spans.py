@@ -6,7 +6,10 @@ path from the data: fast when every row's log2 decay from the middle row of its 
 (docs/algorithm.md): SPAN in the backward, SPAN_UNIT in the forward with the in-op l2norm (which every regime
 here uses). This script draws the benchmark's inputs (kda_ops.testing.make_inputs) on the CPU, activates the
 gate as the op does, and counts the tiles that pass that test over the whole chunk (what the kernels test) at
-both spans and, for comparison, per 16-row block at SPAN (a finer choice no kernel makes). No GPU needed.
+both spans and, for comparison, per 16-row block at SPAN (a finer choice no kernel makes). The forward's exact
+path goes down the binary split and takes the diagonal pairs by one dot per operand at the first block size
+(16, 8, 4 rows, else single rows) whose test passes: the second table gives the share of tiles at each size.
+No GPU needed.
 
     python benchmarks/gate_spans.py --shape 1,8192,32,128
 """
@@ -21,16 +24,34 @@ from kda_ops.reference import kda_gate
 from kda_ops.testing import REGIMES, make_inputs
 
 
+def spreads(g: torch.Tensor, block_k: int, rows: int = BC) -> torch.Tensor:
+    """[B, NT, HV, K // block_k] the largest |gam_i - gam_m(i)| (log2) of each (chunk, value head, K-block) tile, m(i)
+    the middle row of i's `rows`-row block, for the activated log decay g [B, T, HV, K] (natural log units), T a
+    multiple of the chunk size and K of block_k."""
+    B, T, HV, K = g.shape
+    gam = g.view(B, T // BT, BT, HV, K).cumsum(2) / torch.log(torch.tensor(2.0))      # log2, per chunk
+    blocks = gam.view(B, T // BT, BT // rows, rows, HV, K)
+    spread = (blocks - blocks[:, :, :, rows // 2:rows // 2 + 1]).abs()               # from the middle row
+    return spread.view(B, T // BT, BT // rows, rows, HV, K // block_k, block_k).amax(dim=(3, 6))
+
+
 def fast_shares(g: torch.Tensor, block_k: int, span: float = SPAN.value) -> tuple:
     """(share of fast tiles with the per-chunk test, with a per-16-row-block test) at `span` for the activated log
     decay g [B, T, HV, K] (natural log units), T a multiple of the chunk size and K of block_k."""
-    B, T, HV, K = g.shape
-    gam = g.view(B, T // BT, BT, HV, K).cumsum(2) / torch.log(torch.tensor(2.0))      # log2, per chunk
-    blocks = gam.view(B, T // BT, BT // BC, BC, HV, K)
-    spread = (blocks - blocks[:, :, :, BC // 2:BC // 2 + 1]).abs()                    # from the middle row
-    per_block = spread.view(B, T // BT, BT // BC, BC, HV, K // block_k, block_k).amax(dim=(3, 6))
+    per_block = spreads(g, block_k)
     return ((per_block.amax(dim=2) <= span).float().mean().item(),
             (per_block <= span).float().mean().item())
+
+
+def forward_tiers(g: torch.Tensor, block_k: int, span: float = SPAN_UNIT.value) -> tuple:
+    """Shares of the tiles whose diagonal pairs the forward takes by one dot per operand over 16-, 8- and 4-row
+    blocks, and of those it splits down to single rows (g as for fast_shares; they sum to 1)."""
+    passes = [(spreads(g, block_k, rows).amax(dim=2) <= span) for rows in (BC, BC // 2, BC // 4)]
+    shares, taken = [], torch.zeros_like(passes[0])
+    for p in passes:
+        shares.append((p & ~taken).float().mean().item())
+        taken |= p
+    return tuple(shares) + ((~taken).float().mean().item(),)
 
 
 def main() -> None:
@@ -40,16 +61,24 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, nargs="+", default=[16, 32, 64, 128])
     a = ap.parse_args()
     B, T, H, K = (int(s) for s in a.shape.split(","))
+    gates = {}
+    for regime in a.regimes:
+        x = make_inputs(B, T, H, K, regime=regime, dtype=torch.float32, seed=0)
+        gates[regime] = kda_gate(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])
     print(f"| regime | BK | fast tiles at SPAN = {SPAN.value:g} (backward) | at SPAN_UNIT = {SPAN_UNIT.value:g} "
           f"(forward) | per-16-row-block test at SPAN |")
     print("|---|---|---|---|---|")
-    for regime in a.regimes:
-        x = make_inputs(B, T, H, K, regime=regime, dtype=torch.float32, seed=0)
-        g = kda_gate(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])
+    for regime, g in gates.items():
         for bk in a.block_k:
             chunk, block = fast_shares(g, bk)
             unit, _ = fast_shares(g, bk, SPAN_UNIT.value)
             print(f"| {regime} | {bk} | {chunk:.3f} | {unit:.3f} | {block:.3f} |")
+    print(f"\n| regime | BK | forward at SPAN_UNIT = {SPAN_UNIT.value:g}: one dot per 16-row block | per 8-row | "
+          f"per 4-row | single rows |")
+    print("|---|---|---|---|---|---|")
+    for regime, g in gates.items():
+        for bk in a.block_k:
+            print(f"| {regime} | {bk} | " + " | ".join(f"{s:.3f}" for s in forward_tiers(g, bk)) + " |")
 
 
 if __name__ == "__main__":

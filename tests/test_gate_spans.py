@@ -39,14 +39,28 @@ def test_cli_prints_every_regime():
     out = subprocess.run([sys.executable, SCRIPT, "--shape", "1,128,2,32", "--block-k", "32"], cwd=ROOT,
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [r.split("|")[1].strip() for r in rows] == ["weak", "layer_init", "strong", "safe_gate"]
+    tables = out.split("\n\n")
+    assert len(tables) == 2
+    for table in tables:
+        rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+        assert [r.split("|")[1].strip() for r in rows] == ["weak", "layer_init", "strong", "safe_gate"]
 
 
 def test_step_between_the_two_spans():
     # one step of 55 nats (79 in log2) at row 41 of every chunk, channel 0: past SPAN = 60 (the backward's test),
-    # within SPAN_UNIT = 96 (the forward's with the in-op l2norm)
+    # within SPAN_UNIT = 112 (the forward's with the in-op l2norm)
     g = torch.zeros(1, 128, 2, 32)
     g[:, 41::64, :, 0] = -55.0
     assert spans.fast_shares(g, 16)[0] == pytest.approx(0.5)
     assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("row, tiers", [(40, (0.5, 0.5, 0.0, 0.0)), (44, (0.5, 0.0, 0.5, 0.0)),
+                                        (41, (0.5, 0.0, 0.0, 0.5))])
+def test_forward_tiers(row, tiers):
+    # one step of 100 nats (144 in log2, past SPAN_UNIT) at `row` of every chunk, channel 0 only. At row 40 it
+    # falls between the halves of 16-row block 2 (rows 32-47): 8-row blocks do not see it. At row 44, between
+    # the halves of the 8-row block 40-47: 4-row blocks do not see it. At row 41 a 4-row block (40-43) does.
+    g = torch.zeros(1, 128, 2, 32)
+    g[:, row::64, :, 0] = -100.0
+    assert spans.forward_tiers(g, 16) == pytest.approx(tiers)    # K-block 1 of each chunk: one 16-row dot
