@@ -97,12 +97,14 @@ def test_fwd_vs_recurrence(i):
 
 @interpreter_only
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm_in_op", "normalised"])
-@pytest.mark.parametrize("decay", [7.0, 14.0, 21.0], ids=["d10", "d20", "d30"])
+@pytest.mark.parametrize("decay", [7.0, 14.0, 21.0, 45.0], ids=["d10", "d20", "d30", "d65"])
 def test_fwd_wide_span(l2norm, decay):
-    """A log decay of d .. d + 0.5 nats (10.1 - 10.8, 20.2 - 20.9 or 30.3 - 31.0 in log2) per token. At 10 a
-    16-row block spans 60 - 87 from its middle row, past common.SPAN and within common.SPAN_UNIT: with the in-op
-    l2norm the intra kernel's diagonal blocks take the fast path (factors up to 2^87; entries outside the blocks
-    overflow and are discarded), without it the exact levels. At 20 and 30 the exact levels both ways."""
+    """A log decay of d .. d + 0.5 nats per token (10.1 - 10.8, 20.2 - 20.9, 30.3 - 31.0 or 64.9 - 65.6 in log2),
+    every path of the intra kernel's diagonal blocks. A b-row block spans about b/2 steps from its middle row;
+    with the in-op l2norm the test is common.SPAN_UNIT (112), without it common.SPAN (60), so the diagonal pairs
+    go by one dot per 16-row block at d10 with l2norm (factors up to 2^87; entries outside the blocks overflow
+    and are discarded), per 8-row block at d10 without and d20 with, per 4-row block at d20 without and d30
+    with, per 2-row block at d30 without and d65 with, and by single rows at d65 without."""
     c = Case(B=1, T=150, H=1, HV=2, K=32, V=16, in_op=True, l2norm=l2norm, seqlens=[64, 86],
              dtype=torch.float32)
     g = -(decay + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(5),
@@ -584,4 +586,4 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 6 + 3 + 3 + 5 + 10 + 2 + 2 + 4 + 2 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]
+    assert f"{len(CASES) + 8 + 3 + 3 + 5 + 10 + 2 + 2 + 4 + 2 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]

@@ -20,15 +20,17 @@ exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-s
 The pairs of different 16-row blocks are always taken exactly, by levels 32 and 64 of a binary split of the chunk
 (split_level): at level S each S-row segment pairs the rows of its second half with the columns of its first half
 in one dot per operand, factored around the segment's middle row (both factors <= 1 for any decay). For the pairs
-inside the four diagonal blocks, per K-block one of two paths, chosen in the kernel from the data (no host sync):
+inside the four diagonal blocks, per K-block, chosen in the kernel from the data (no host sync):
 * fast (|gam_i - gam_m(i)| <= span for every row i, m(i) the middle row of i's 16-row block; span is
   common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): all four
-  blocks in one tensor-core dot per operand, factored around each block's middle row:
+  blocks in one tensor-core dot per operand, factored around each block's middle row (diagonal_dots):
   (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); the entries outside the blocks are discarded, those
   above the diagonal after the K loop. A K-block costs 4 exp2 tiles and 6 dots;
-* exact (a block spans more than span, e.g. strong decay without lower_bound): levels 2 .. 16 of the split, and
-  the diagonal i == j (decay 1) from a row sum. The six levels together cover every pair j < i, no per-pair
-  loop: a K-block costs 6 exp2 tiles and 12 dots.
+* otherwise (a block spans more than span, e.g. strong decay without lower_bound) down the split: level 16, then
+  the same test and dots for the 8-row halves of the blocks; where that fails, level 8 and the 4-row quarters;
+  then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j, decay 1, which always
+  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level one more
+  middle-row load and reduction for its test.
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
@@ -231,7 +233,7 @@ def chunk_kda_fwd_kernel_intra(
             else:
                 # down the split from level 16: each level S, then the same test for the S/2-row halves of its
                 # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
-                # rows, the diagonal i == j, which always passes). Every path covers each pair j <= i once.
+                # rows, the diagonal i == j, where gam_i - gam_m(i) = 0). Every path covers each pair j <= i once.
                 go = True
                 for lv in range(4, 0, -1):
                     if go:
