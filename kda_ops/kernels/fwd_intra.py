@@ -290,8 +290,8 @@ def chunk_kda_fwd_kernel_intra(
 
 @triton.jit
 def middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
-    """[BT, BK] gam_i - gam_m(i), m(i) the middle row of i's R-row block (the chunk's last row where the block
-    ends past it); 0 on rows past Tc. b_g: the K-block's gam rows."""
+    """[BT, BK] gam_i - gam_m(i), m(i) the middle row of i's R-row block (the chunk's last row where that middle
+    row is past it); 0 on rows past Tc. b_g: the K-block's gam rows."""
     o_m = tl.minimum((o_t // R) * R + R // 2, Tc - 1)
     return b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
 
