@@ -41,7 +41,9 @@ from .common import (BT, ChunkIndex, INTERPRET, absent, autotune_configs, dot_pr
         # The pass waits on its loads (one program per SM and V-block walks the chunks): a third stage won at both
         # shapes measured, at (1, 8192, 32, 128) BV 32 / 4 warps / 3 stages takes 0.223 ms against
         # 0.308 with two, at (4, 4096, 32, 128) BV 64 / 8 warps / 3 stages 0.367 against 0.458
-        # (benchmarks/tune_sweep.py).
+        # (benchmarks/tune_sweep.py). At 128 lanes (sequences x value heads), BV 128 / 8 warps / 2 stages (180 KB,
+        # one program per SM) runs them in one wave where BV 64 needs two: 0.327 ms at (4, 4096, 32, 128), and
+        # 0.269 against 0.304 for the backward's recompute (no output; h and Vn stored).
         # (BV = 16 with 8 warps gave wrong results with triton 3.6 on the H200 (tests/test_gpu_configs.py) and
         # faulted at large shapes: not listed.)
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
@@ -53,6 +55,7 @@ from .common import (BT, ChunkIndex, INTERPRET, absent, autotune_configs, dot_pr
         triton.Config({"BV": 32}, num_warps=4, num_stages=3),
         triton.Config({"BV": 16}, num_warps=4, num_stages=3),
         triton.Config({"BV": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BV": 128}, num_warps=8, num_stages=2),
     ]),
     key=["K", "V", "STORE_O", "STORE_H", "PREC", "KD_T", "TUNE_SIZE"],
 )
