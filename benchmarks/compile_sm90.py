@@ -4,7 +4,8 @@
     PYTHONPATH=<site-packages with another triton> python benchmarks/compile_sm90.py ...
 
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
-config; intra_bwd: the backward's row-block kernel at every config and its gate kernel.) --sass adds a line per build
+config; intra_bwd: the backward's row-block kernel at every config, also in its bounded-gate form, and its gate
+kernel.) --sass adds a line per build
 with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
 special-function MUFU, FFMA) or synchronisation (SHFL, BAR), the libdevice functions inlined into it (from the
 PTX), and the same counts for each loop of the build.
@@ -173,9 +174,10 @@ def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, maxnreg=None, **flags):
     names = ['q','k','rq','rk','gam','beta','dAqk','dM','beta_raw','dq','dk','dgam','dbeta_p','dbeta','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
     types = [f'*{dt}']*2 + ['*fp32']*3 + [f'*{dt}'] + ['*fp32']*2 + [f'*{dt}'] + ['*fp32']*4 + [f'*{dt}'] + ['*i32','*i32','i32','i32','i32','i32','i32']
     c = dict(K=K, BT=64, BC=16, BK=BK, USE_L2NORM=True, USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False,
-             PREC='ieee' if dt=='fp32' else 'tf32')
+             PREC='ieee' if dt=='fp32' else 'tf32', BOUNDED=False)
     c.update(flags)
-    comp(chunk_kda_bwd_kernel_intra, names, types, c, w, s, f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}", maxnreg)
+    comp(chunk_kda_bwd_kernel_intra, names, types, c, w, s,
+         f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}" + ('_bounded' if c['BOUNDED'] else ''), maxnreg)
 
 
 def gate_bwd(dt='bf16', K=128, w=4, **flags):
@@ -219,6 +221,7 @@ if __name__ == '__main__':
         for cf in chunk_kda_bwd_kernel_intra.configs:
             for dt, K in (('bf16', 128), ('bf16', 256), ('fp32', 128), ('bf16', 80)):
                 intra_bwd(dt, K=K, BK=cf.kwargs['BK'], w=cf.num_warps, s=cf.num_stages, maxnreg=cf.maxnreg)
+            intra_bwd(BK=cf.kwargs['BK'], w=cf.num_warps, s=cf.num_stages, maxnreg=cf.maxnreg, BOUNDED=True)
         gate_bwd(); gate_bwd(USE_LOWER_BOUND=True); gate_bwd(K=256)
     if 'state' in what:
         for K in (128, 256, 64, 100):

@@ -39,8 +39,9 @@ def cases():
         Case(B=1, T=150, H=1, HV=1, K=20, V=16, seqlens=[70, 5, 75], dtype=f32),
         Case(B=1, T=70, H=1, HV=2, K=16, V=16, in_op=True, dtype=torch.bfloat16),
         Case(B=1, T=70, H=1, HV=2, K=80, V=72, in_op=True, dtype=f32),     # several K- and V-blocks
-        # intra_bwd's two paths (chosen per K-block from the data): lower_bound = -5 bounds a 16-row block's log2
-        # span by 8 * 5 / ln 2 < SPAN (fast path only); A_log >= 3 without lower_bound exceeds it (exact path)
+        # intra_bwd's paths: lower_bound = -5 bounds a 16-row block's log2 span by 8 * 5 / ln 2 < SPAN, so the
+        # kernel is built without its test and exact path (common.bounded_gate); without lower_bound the path is
+        # chosen per K-block from the data, and A_log >= 3 exceeds the span (exact path)
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, lower_bound=-5.0, dtype=torch.bfloat16),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=f32),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=torch.bfloat16),

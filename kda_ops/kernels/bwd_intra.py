@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, chunk_bounds, dot_precision, length_jit,
-                     load_rows, tf32_round, tune_size)
+from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, bounded_gate, chunk_bounds, dot_precision,
+                     length_jit, load_rows, tf32_round, tune_size)
 
 
 @triton.autotune(
@@ -59,7 +59,7 @@ from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, chunk_b
         triton.Config({"BK": 64}, num_warps=4, num_stages=1),
         triton.Config({"BK": 16}, num_warps=4, num_stages=1, maxnreg=168),
     ]),
-    key=["K", "PREC", "TUNE_SIZE"],
+    key=["K", "PREC", "TUNE_SIZE", "BOUNDED"],
     restore_value=["dq", "dk", "dgam"],
 )
 @length_jit
@@ -70,7 +70,7 @@ def chunk_kda_bwd_kernel_intra(
     cu_seqlens, chunk_indices, T, N, H, HV, TUNE_SIZE,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
 ):
     """One program per (chunk, row block, value head): grid (NT_total * BT // BC, HV). Loops K-blocks."""
     i_tr, i_hv = tl.program_id(0), tl.program_id(1)
@@ -118,11 +118,14 @@ def chunk_kda_bwd_kernel_intra(
         m_tk = m_t[:, None] & m_k[None, :]
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = o_i[:, None] * sg + o_k[None, :]
-        # the test: largest |gam_i - gam_m(i)| in this K-block over the chunk (rows past Tc give zero)
-        b_span = tl.max(tl.max(tl.abs(tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) -
-                                      tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
-                               axis=1), axis=0)
-        fast = b_span <= SPAN
+        if BOUNDED:
+            fast = True
+        else:
+            # the test: largest |gam_i - gam_m(i)| in this K-block over the chunk (rows past Tc give zero)
+            b_span = tl.max(tl.max(tl.abs(tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) -
+                                          tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
+                                   axis=1), axis=0)
+            fast = b_span <= SPAN
         # [BK] gam at block r's reference rows: a for the row direction, b for the column direction
         b_ga = tl.load(gam + tl.where(fast, rm, r0) * sg + o_k, mask=m_k, other=0.0)
         b_gb = tl.load(gam + tl.where(fast, rm, rl) * sg + o_k, mask=m_k, other=0.0)
@@ -168,7 +171,7 @@ def chunk_kda_bwd_kernel_intra(
         b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], SPAN))
         b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN))
         b_corr = tl.zeros([BC, BK], dtype=tl.float32)
-        if PREC == "tf32" and b_span <= SPAN:
+        if PREC == "tf32" and fast:
             # dGam's pair terms: q_i ea dq_a + beta_i k_i ea X - k_i eb dk_a. Each multiplier is replaced by the
             # tf32 value the other direction's dot took for the same row of block r (its own-block operand), so
             # that the two terms of every pair of the diagonal block cancel in dA_log / ddt_bias as in exact
@@ -187,7 +190,7 @@ def chunk_kda_bwd_kernel_intra(
         b_dka *= b_eb
         b_db += add_terms(q, k, rq, rk, dq, dk, dgam, o_i, m_i, o_k, m_k, b_bi, b_dqa, b_x, b_dka, b_corr,
                           sq, sg, H, USE_L2NORM)
-        if b_span > SPAN:
+        if not fast:
             tl.debug_barrier()      # the stores above before the second read-modify-write of the same rows
             b_db += exact_diagonal(q, k, rq, rk, gam, beta, dAqk, dM, dq, dk, dgam, o_i, m_i, o_k, m_k, r0, Tc,
                                    b_bi, sq, sg, sa, H, HV, BC, BK, USE_L2NORM)
@@ -292,6 +295,6 @@ def chunk_kda_bwd_intra(
         pick(idx.cu_seqlens), pick(idx.chunk_indices),
         T, idx.N, H, HV, tune_size(B * T, HV), K=K, BT=BT, BC=BC,
         USE_L2NORM=rq is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid, ALLOW_NEG_EIGVAL=opts.allow_neg_eigval,
-        IS_VARLEN=idx.is_varlen, PREC=dot_precision(q.dtype),
+        IS_VARLEN=idx.is_varlen, PREC=dot_precision(q.dtype), BOUNDED=bounded_gate(opts, SPAN),
     )
     return dq, dk, dbeta

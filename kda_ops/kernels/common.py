@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..options import KDAOptions
+
 # Under TRITON_INTERPRET=1 (CPU tests) an autotuner may hold only one config: there is no driver to time.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # KDA_OPS_AUTOTUNE=0 keeps the first (default) config only: quicker compiles, e.g. for correctness tests.
@@ -174,6 +176,16 @@ def size_class(x, lo: int, classes: int):
     A sum of mins of floor divisions: under torch.compile with dynamic shapes a symbolic expression, no guard
     (a Python branch here would guard on the size and recompile at a new sequence length)."""
     return sum(torch.sym_min(x // (lo << i), 1) for i in range(classes - 1))
+
+
+def bounded_gate(opts: KDAOptions, span) -> bool:
+    """Whether the in-op safe gate keeps every 16-row block of gam within `span` (log2 units) of the block's
+    middle row, whatever the inputs: each step's log decay lies in [lower_bound, 0] (an invalid gate element
+    counts as 0, rows past the end too), and no row is more than BC // 2 steps from its block's middle row.
+    A kernel given True can drop its test of the span and its exact path. Decided from the options alone,
+    never from the data."""
+    lb = opts.lower_bound if opts.use_gate else None
+    return lb is not None and -float(lb) * (BC // 2) * LOG2E.value <= getattr(span, "value", span)
 
 
 def tune_size(tokens, heads):
