@@ -119,9 +119,9 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
-             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False)
+             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False, BOUNDED=False)
     c.update(flags)
-    tag = '_saved' if c['SAVED_A'] else ''
+    tag = ('_saved' if c['SAVED_A'] else '') + ('_bounded' if c['BOUNDED'] else '')
     comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}")
 
 
@@ -203,6 +203,7 @@ if __name__ == '__main__':
         for (BK, w) in ((32, 8), (64, 8), (32, 4)):     # the backward's recompute with the forward's Aqk, Tm
             intra(BK=BK, w=w, SAVED_A=True)
         intra(K=256, SAVED_A=True); intra('fp32', K=100, SAVED_A=True)
+        intra(HAS_LOWER_BOUND=True, BOUNDED=True); intra(w=8, HAS_LOWER_BOUND=True, BOUNDED=True)
     if 'wu' in what:
         for (BK, w, st) in [(cf.kwargs['BK'], cf.num_warps, cf.num_stages) for cf in chunk_kda_fwd_kernel_wu.configs]:
             for K in (128, 256, 100):

@@ -72,7 +72,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, chunk_bounds,
+from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
+                     chunk_bounds,
                      chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale, kd_chunk,
                      l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
@@ -83,7 +84,7 @@ from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, au
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),   # 255 regs: two programs per SM
     ]),
-    key=["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE"],
+    key=["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED"],
 )
 @length_jit
 def chunk_kda_fwd_kernel_intra(
@@ -99,7 +100,7 @@ def chunk_kda_fwd_kernel_intra(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
-    INV_PREC: tl.constexpr, KD_T: tl.constexpr, SAVED_A: tl.constexpr,
+    INV_PREC: tl.constexpr, KD_T: tl.constexpr, SAVED_A: tl.constexpr, BOUNDED: tl.constexpr,
 ):
     """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
     follow from Tm and kbg in chunk_kda_fwd_kernel_wu. SAVED_A (the backward, with the forward's Aqk and Tm
@@ -223,7 +224,10 @@ def chunk_kda_fwd_kernel_intra(
             # factors exp2(gam_m - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
             # overflows and what a flush costs). The test's loads and reduction are issued before the levels below.
             b_dm = middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, BC)                      # [BT, BK]
-            fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+            if BOUNDED:     # the safe gate bounds the span (common.bounded_gate): no test, no exact path
+                fast = True
+            else:
+                fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
             # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split (split_level)
             for lb in tl.static_range(5, 7):
                 b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lb, BT,
@@ -419,5 +423,6 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
         INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t, SAVED_A=saved is not None,
+        BOUNDED=bounded_gate(opts, SPAN),
     )
     return out, kbg
