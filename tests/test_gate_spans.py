@@ -64,3 +64,17 @@ def test_forward_tiers(row, tiers):
     g = torch.zeros(1, 128, 2, 32)
     g[:, row::64, :, 0] = -100.0
     assert spans.forward_tiers(g, 16) == pytest.approx(tiers)    # K-block 1 of each chunk: one 16-row dot
+
+
+@pytest.mark.parametrize("lower_bound", [-1.0, -5.0, -5.19, -5.21, -8.0])
+def test_bounded_gate_matches_the_worst_safe_gate(lower_bound):
+    # kernels.common.bounded_gate builds the intra kernels without their span test and exact path; it must say
+    # yes exactly when the worst gate that lower_bound allows (every step at lower_bound) keeps each 16-row block
+    # within SPAN of its middle row. 8 steps x 5.2 nats x log2(e) = 60.02: the bound lies between -5.19 and -5.21
+    from kda_ops.kernels.common import bounded_gate
+    from kda_ops.options import KDAOptions
+    g = torch.full((1, 128, 1, 16), lower_bound, dtype=torch.float64)
+    worst_fits = spans.spreads(g, 16).max().item() <= spans.SPAN.value
+    assert bounded_gate(KDAOptions(1.0, lower_bound, use_gate=True), spans.SPAN) == worst_fits
+    assert not bounded_gate(KDAOptions(1.0, lower_bound, use_gate=False), spans.SPAN)   # g given: nothing bounds it
+    assert not bounded_gate(KDAOptions(1.0, None, use_gate=True), spans.SPAN)

@@ -31,6 +31,8 @@ inside the four diagonal blocks, per K-block, chosen in the kernel from the data
   then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j, decay 1, which always
   pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level one more
   middle-row load and reduction for its test.
+With the in-op safe gate no block spans more than common.SPAN (common.bounded_gate): the kernel is then built
+without the test and the exact path (BOUNDED).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
@@ -73,9 +75,8 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
-                     chunk_bounds,
-                     chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale, kd_chunk,
-                     l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
+                     chunk_bounds, chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale,
+                     kd_chunk, l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
 
 @triton.autotune(
