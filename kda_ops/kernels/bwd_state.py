@@ -35,6 +35,8 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, le
         triton.Config({"BV": 32}, num_warps=4, num_stages=2),
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
         triton.Config({"BV": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BV": 32}, num_warps=8, num_stages=2),
+        triton.Config({"BV": 64}, num_warps=8, num_stages=3),
     ]),
     key=["K", "V", "PREC", "KD_T", "TUNE_SIZE"],
 )
@@ -71,23 +73,26 @@ def chunk_kda_bwd_kernel_state(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
+    m_vk = m_v[:, None] & m_k[None, :]
     sg = HV * K
     sv = HV * V
     sa = HV * BT
-    p_kv = o_k[:, None] * V + o_v[None, :]
+    # the state's [BV, BK] block of a [K, V] row-major state
+    p_vk = o_v[:, None] + o_k[None, :] * V
 
-    # [BK, BV] fp32: gradient of the state leaving the current chunk
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    # [BV, BK] fp32: the transposed gradient of the state leaving the current chunk. Held transposed, every
+    # tile that comes from memory is the second dot operand as it is stored (qg, W [BT, BK]; kd^T [BK, BT]; Aqk),
+    # and the first operands are register tiles (dS^T, dVn^T, dO^T)
+    b_dh = tl.zeros([BV, BK], dtype=tl.float32)
     if USE_DHT:
         p_dht = dht + i_n.to(tl.int64) * s_dhn + i_hv.to(tl.int64) * s_dhh
-        b_dh += tl.load(p_dht + o_k[:, None] * s_dhk + o_v[None, :] * s_dhv, mask=m_kv, other=0.0)
+        b_dh += tl.load(p_dht + o_v[:, None] * s_dhv + o_k[None, :] * s_dhk, mask=m_vk, other=0.0)
     for i_c in range(NT - 1, -1, -1):
         t0 = bos + i_c * BT
         m_t = (t0 + o_t) < eos
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        tl.store(dh + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        tl.store(dh + ((boh + i_c) * HV + i_hv) * K * V + p_vk, b_dh.to(dh.dtype.element_ty), mask=m_vk)
         b_dhd = b_dh.to(DOT_DT)
         # 64-bit chunk bases, 32-bit offsets inside the chunk
         off_k = t0 * sg + i_hv * K
@@ -96,36 +101,35 @@ def chunk_kda_bwd_kernel_state(
         p_tv = o_t[:, None] * sv + o_v[None, :]
         # [BT, BK]
         b_qg = tl.load(qg + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
-        if KD_T:
-            # the chunk's [BK, BT] block of kd^T, row-major (zeros past the sequence's end), transposed in
-            # registers (fp32, below)
-            p_kt = ((boh + i_c) * HV + i_hv) * (K * BT) + o_k[:, None] * BT + o_t[None, :]
-            b_kd = tl.trans(tl.load(kd + p_kt, mask=m_k[:, None], other=0.0).to(tl.float32)).to(DOT_DT)
-        else:
-            b_kd = tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
         b_w = tl.load(W + off_k + p_tk, mask=m_tk, other=0.0).to(DOT_DT)
+        # [BK, BT]
+        if KD_T:
+            # the chunk's [BK, BT] block of kd^T, row-major (zeros past the sequence's end)
+            p_kt = ((boh + i_c) * HV + i_hv) * (K * BT) + o_k[:, None] * BT + o_t[None, :]
+            b_kdt = tl.load(kd + p_kt, mask=m_k[:, None], other=0.0).to(DOT_DT)
+        else:
+            b_kdt = tl.trans(tl.load(kd + off_k + p_tk, mask=m_tk, other=0.0).to(tl.float32)).to(DOT_DT)
         # [BT(i), BT(j)] (zero for j > i)
-        b_a = tl.load(Aqk + (t0 * sa + i_hv * BT) + (o_t[:, None] * sa + o_t[None, :]), mask=m_t[:, None], other=0.0)
-        # [BT, BV]
-        b_do = tl.load(do + off_v + p_tv, mask=m_tv, other=0.0).to(DOT_DT)
+        b_a = tl.load(Aqk + (t0 * sa + i_hv * BT) + (o_t[:, None] * sa + o_t[None, :]), mask=m_t[:, None],
+                      other=0.0).to(DOT_DT)
+        # [BV, BT]: dO^T, transposed in fp32 registers (a 16-bit tile loaded and transposed straight into a dot
+        # becomes an MN-major shared-memory wgmma operand, the pattern that faulted with triton 3.6 on the H200:
+        # fwd_state.py)
+        b_dot = tl.trans(tl.load(do + off_v + p_tv, mask=m_tv, other=0.0).to(tl.float32)).to(DOT_DT)
         # [BK] gam of the chunk's last valid row
         t_last = tl.minimum(t0 + BT, eos) - 1
         b_gl = tl.load(gam + (t_last * sg + i_hv * K) + o_k, mask=m_k, other=0.0)
 
-        # Every transposed operand goes through fp32 registers: a 16-bit tile loaded and transposed straight
-        # into a dot becomes an MN-major shared-memory wgmma operand (memdesc_trans in the TTGIR), the pattern
-        # that faulted with triton 3.6 on the H200 (fwd_state.py; 'illegal memory access' of this kernel on
-        # bf16 storage). Through fp32 it is a register operand, as with fp32 storage.
-        # [BT, BT]^T @ [BT, BV] + [BT, BK] @ [BK, BV] -> [BT, BV]
-        b_dvn = tl.dot(tl.trans(b_a.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
-        b_dvn += tl.dot(b_kd, b_dhd, input_precision=PREC)
-        tl.store(dvn + off_v + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-        # [BT, BK]^T @ [BT, BV] -> [BK, BV], twice
-        b_dh = b_dh * tl.exp2(b_gl)[:, None]
-        b_dh += tl.dot(tl.trans(b_qg.to(tl.float32)).to(DOT_DT), b_do, input_precision=PREC)
-        b_dh -= tl.dot(tl.trans(b_w.to(tl.float32)).to(DOT_DT), b_dvn.to(DOT_DT), input_precision=PREC)
+        # dVn^T = dO^T Aqk + dS^T kd^T                                              [BV, BT]
+        b_dvn = tl.dot(b_dot, b_a, input_precision=PREC)
+        b_dvn += tl.dot(b_dhd, b_kdt, input_precision=PREC)
+        tl.store(dvn + off_v + tl.trans(p_tv), b_dvn.to(dvn.dtype.element_ty), mask=tl.trans(m_tv))
+        # dS^T <- dS^T Diag(exp2(gam_last)) + dO^T qg - dVn^T W                    [BV, BK]
+        b_dh = b_dh * tl.exp2(b_gl)[None, :]
+        b_dh += tl.dot(b_dot, b_qg, input_precision=PREC)
+        b_dh -= tl.dot(b_dvn.to(DOT_DT), b_w, input_precision=PREC)
     if STORE_DH0:
-        tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_vk, b_dh, mask=m_vk)
 
 
 def chunk_kda_bwd_state(
