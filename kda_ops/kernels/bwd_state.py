@@ -7,8 +7,16 @@ With ``dS`` the gradient of the state *leaving* chunk c (``dht`` for the last ch
     dS   <- qg^T dO + Diag(exp2(gam_last)) dS - W^T dVn                          # [K, BV]
 
 so after the first chunk ``dS`` is d initial_state. One program per (V-block, sequence, value head) holds
-the whole ``[K, BV]`` fp32 accumulator (K padded to a power of two, <= 256) and walks its sequence's
-chunks backwards. It stores dS leaving every chunk (read by bwd_inter.py) and dVn.
+the whole fp32 accumulator, transposed as ``[BV, K]`` (K padded to a power of two, <= 256), and walks its
+sequence's chunks backwards. It stores dS leaving every chunk (read by bwd_inter.py, [K, V] per chunk) and dVn.
+
+Holding dS^T makes the pass transposes of the same products,
+
+    dVn^T = dO^T Aqk + dS^T kd^T          dS^T <- dS^T Diag(exp2(gam_last)) + dO^T qg - dVn^T W
+
+where every tile read from memory (Aqk, kd^T, qg, W) is the second dot operand in the layout it is stored in, so
+the compiler pipelines its loads through shared memory; the first operands are register tiles (dS^T, dVn^T, and
+dO^T, the one tile transposed per chunk).
 """
 from __future__ import annotations
 
@@ -25,13 +33,13 @@ from .common import (BT, ChunkIndex, absent, autotune_configs, dot_precision, le
 @triton.autotune(
     configs=autotune_configs([
         # the first config (the only one under the interpreter / KDA_OPS_AUTOTUNE=0) fits K = 256 in shared
-        # memory (80 KB offline); 4 warps with 2 stages needs 233 KB there, over the H200's 227 KB
+        # memory (127 KB with 16-bit operands, 80 KB with fp32 ones; benchmarks/compile_sm90.py state_bwd); configs
+        # over the H200's 227 KB are skipped by the autotuner
         triton.Config({"BV": 32}, num_warps=8, num_stages=1),
         triton.Config({"BV": 16}, num_warps=8, num_stages=1),
-        # the fastest at (B, T, HV, K) = (4, 4096, 32, 128); at (1, 8192, 32, 128) the three-stage one below
-        # (0.380 ms against 0.467; benchmarks/tune_sweep.py). (BV 32 / 64, 4 warps, 1 stage) were slower at both;
-        # BV 64 with 3 stages spills and took 1.8-2.3x the best
+        # the autotuner's choice at (B, T, HV, K) = (4, 4096, 32, 128), 0.404 ms (128 lanes, two programs each)
         triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+        # the autotuner's choice at (1, 8192, 32, 128), 0.318 ms (benchmarks/kernel_times.py --mode fwdbwd)
         triton.Config({"BV": 32}, num_warps=4, num_stages=2),
         triton.Config({"BV": 64}, num_warps=8, num_stages=1),
         triton.Config({"BV": 32}, num_warps=8, num_stages=3),
@@ -80,9 +88,7 @@ def chunk_kda_bwd_kernel_state(
     # the state's [BV, BK] block of a [K, V] row-major state
     p_vk = o_v[:, None] + o_k[None, :] * V
 
-    # [BV, BK] fp32: the transposed gradient of the state leaving the current chunk. Held transposed, every
-    # tile that comes from memory is the second dot operand as it is stored (qg, W [BT, BK]; kd^T [BK, BT]; Aqk),
-    # and the first operands are register tiles (dS^T, dVn^T, dO^T)
+    # [BV, BK] fp32: dS^T, the transposed gradient of the state leaving the current chunk (module docstring)
     b_dh = tl.zeros([BV, BK], dtype=tl.float32)
     if USE_DHT:
         p_dht = dht + i_n.to(tl.int64) * s_dhn + i_hv.to(tl.int64) * s_dhh
