@@ -5,7 +5,8 @@ argument's output copy; an absent optional argument that reused another tensor a
 aliased into a real output (the gate cumsum) and compiled training computed garbage while eager was right.
 This test records the launches of every launcher (interpreter, tiny shapes, with and without each optional
 tensor) and checks that no two tensor arguments of one launch overlap in memory. The same launches show which
-size each autotuned kernel puts in its key (TUNE_SIZE).
+size each autotuned kernel puts in its key (TUNE_SIZE), and which intra kernels are built for the bounded safe gate
+(BOUNDED).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SIZE_TAG, LANES_TAG = 1_000_000, 2_000_000
 
 def record_launches():
     """In the child (TRITON_INTERPRET=1): run the launchers, return [(kernel, [overlapping argument pairs],
-    TUNE_SIZE or None, (tokens, sequences, value heads) of the call)]."""
+    TUNE_SIZE or None, BOUNDED or None, (tokens, sequences, value heads, lower_bound) of the call)]."""
     import torch
 
     from kda_case import Case
@@ -45,7 +46,7 @@ def record_launches():
                 overlaps = [(a, b) for i, (a, pa, na) in enumerate(spans) for (b, pb, nb) in spans[i + 1:]
                             if pa < pb + max(nb, 1) and pb < pa + max(na, 1)]
                 launches.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, overlaps,
-                                 named.get("TUNE_SIZE"), call[-1]))
+                                 named.get("TUNE_SIZE"), named.get("BOUNDED"), call[-1]))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
@@ -61,15 +62,16 @@ def record_launches():
         if hasattr(mod, "tune_lanes"):
             mod.tune_lanes = lambda sequences, heads: LANES_TAG + 1000 * sequences + heads
 
-    for full in (False, True):
+    for full, lower_bound in ((False, None), (True, None), (False, -5.0)):
         # grouped value heads (HV != H), so that a key given H instead of HV shows
-        c = Case(B=1 if full else 2, T=70, H=2, HV=4, K=16, V=16, dtype=torch.float32, in_op=full,
-                 initial_state=full, seqlens=[30, 40] if full else None)
+        c = Case(B=1 if full else 2, T=70, H=2, HV=4, K=16, V=16, dtype=torch.float32,
+                 in_op=full or lower_bound is not None, initial_state=full, seqlens=[30, 40] if full else None,
+                 lower_bound=lower_bound)
         (q, k, v, g, beta), kw = c.make()
         x, opts = bundles([q, k, v, g.float(), beta.float()], kw, scale=16 ** -0.5)
         idx = chunk_index(c.B, c.T, x.cu_seqlens)
         N = len(c.seqlens) if c.seqlens else c.B
-        call.append((c.B * c.T, N, c.HV))
+        call.append((c.B * c.T, N, c.HV, lower_bound))
         _, _, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, full)
         dht = torch.randn(N, c.HV, 16, 16) if full else None
         chunk_kda_bwd_triton(torch.randn_like(v), dht, x, opts, idx)
@@ -87,18 +89,27 @@ def test_launch_arguments_do_not_alias():
     launches = json.loads(r.stdout.strip().splitlines()[-1])
     # fwd: intra, wu, state; bwd: 8 stages; decode; varlen (the second case) adds the zeroing of uncovered tokens
     # of o (fwd) and of the 5 token gradients (bwd)
-    assert len(launches) == 2 * (3 + 2 * 8 + 1) + 1 + 2 * 5, launches
+    assert len(launches) == 3 * (3 + 2 * 8 + 1) + 1 + 2 * 5, launches
     bad = [(name, pairs) for name, pairs, *_ in launches if pairs]
     assert not bad, f"launches with overlapping tensor arguments: {bad}"
     # the size in each autotune key: the state passes' lanes are sequences x heads (the length only sets how
     # long each lane runs), the chunk-parallel kernels' size is tokens x heads
     tuned = {}
-    for name, _, tune, (tokens, sequences, heads) in launches:
+    for name, _, tune, _, (tokens, sequences, heads, _) in launches:
         if tune is not None:
             want = LANES_TAG + 1000 * sequences + heads if "state" in name else SIZE_TAG + 1000 * tokens + heads
             assert tune == want, (name, tune, want)
             tuned[name] = tune
     assert len(tuned) == 6, sorted(tuned)
+    # the in-op gate with lower_bound = -5 builds both intra kernels without their span test and exact path
+    # (kernels.common.bounded_gate); without lower_bound they keep them. Only speed depends on it (either build
+    # is correct for a bounded gate), so no accuracy test would see a launcher that lost the flag
+    flags = {}
+    for name, _, _, bounded, (*_, lb) in launches:
+        if bounded is not None:
+            flags.setdefault((name, lb), set()).add(bounded)
+    assert flags == {(f"chunk_kda_{d}_kernel_intra", lb): {lb is not None} for d in ("fwd", "bwd")
+                     for lb in (None, -5.0)}, flags
 
 
 def test_lengths_are_not_specialised():
