@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.library import custom_op, triton_op
 
 from . import kernels, reference
+from .kernels import chunk_kda_bwd_triton, chunk_kda_fwd_triton, recurrent_kda_triton
 from .options import KDAInputs, KDAOptions
 
 try:   # what triton_op's CUDA body runs under: wrap_triton launches the kernel itself, not a traceable HOP
@@ -198,7 +199,7 @@ def _chunk_kda_v1_body(
     if q.device.type == "cuda":
         x, opts, idx = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, None, None,
                                      scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
-        o, ht, _, _ = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
+        o, ht, _, _ = chunk_kda_fwd_triton(x, opts, idx, output_final_state)
         return o, _or_empty(ht, q, torch.float32)
     return torch.ops.kda_ops._chunk_kda_fwd_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
@@ -216,7 +217,7 @@ def _recurrent_kda_v1_body(
         x, opts, _ = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, None, None,
                                    scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval,
                                    chunked=False)
-        return kernels.recurrent_kda_triton(x, opts)
+        return recurrent_kda_triton(x, opts)
     return torch.ops.kda_ops._recurrent_kda_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
         use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval)
@@ -246,7 +247,7 @@ def _chunk_kda_fwd(
         x, opts, idx = _cuda_bundles(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
                                      chunk_offsets, scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid,
                                      allow_neg_eigval)
-        o, ht, Aqk, Tm = kernels.chunk_kda_fwd_triton(x, opts, idx, output_final_state)
+        o, ht, Aqk, Tm = chunk_kda_fwd_triton(x, opts, idx, output_final_state)
         return o, _or_empty(ht, q, torch.float32), Aqk, Tm
     o, ht = torch.ops.kda_ops._chunk_kda_fwd_torch(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
@@ -270,7 +271,7 @@ def _chunk_kda_bwd(
                                      chunk_offsets, scale, lower_bound, use_qk_l2norm, use_gate, use_beta_sigmoid,
                                      allow_neg_eigval)
         saved = None if Aqk is None or Tm is None else (Aqk.contiguous(), Tm.contiguous())
-        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kernels.chunk_kda_bwd_triton(
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = chunk_kda_bwd_triton(
             do.contiguous(), dht, x, opts, idx, saved)
         empty = lambda t: _or_empty(t, q, torch.float32)  # noqa: E731
         return dq, dk, dv, dg, dbeta, empty(dA_log), empty(ddt_bias), empty(dh0)

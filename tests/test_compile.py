@@ -137,3 +137,35 @@ def test_chunk_kernels_autotune_per_size_class():
                    fwd_state.chunk_kda_fwd_kernel_state, bwd_state.chunk_kda_bwd_kernel_state,
                    bwd_inter.chunk_kda_bwd_kernel_inter, bwd_intra.chunk_kda_bwd_kernel_intra):
         assert "TUNE_SIZE" in kernel.keys, kernel.fn.__name__
+
+
+def test_compile_cache_keys_see_every_kernel():
+    """torch.compile keeps compiled graphs on disk (the FX graph and AOTAutograd caches, on by default) and keys a
+    graph that calls a triton_op on the Triton source of the kernels torch finds in the op's body and in the
+    functions it calls by name. A kernel it misses is not in the key, so a graph cached before an edit or an
+    upgrade of kda_ops would run the old kernel. Each op must list exactly the kernels it launches, and every
+    kernel of kda_ops.kernels must be launched by some op."""
+    import importlib
+    import pkgutil
+
+    from torch._library.triton import get_triton_kernels_for_op
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    import kda_ops.kernels as kernels_pkg
+
+    defined = {}
+    for m in pkgutil.iter_modules(kernels_pkg.__path__):
+        module = importlib.import_module(f"kda_ops.kernels.{m.name}")
+        defined.update({id(obj): name for name, obj in vars(module).items()
+                        if isinstance(obj, (JITFunction, Autotuner)) and "kernel" in name})
+    forward = {"chunk_kda_fwd_kernel_intra", "chunk_kda_fwd_kernel_wu", "chunk_kda_fwd_kernel_state",
+               "zero_uncovered_kernel"}
+    backward = forward | {"chunk_kda_bwd_kernel_state", "chunk_kda_bwd_kernel_inter", "chunk_kda_bwd_kernel_intra",
+                          "chunk_kda_bwd_kernel_gate", "chunk_kda_bwd_kernel_qk"}
+    expected = {"kda_ops::chunk_kda_v1": forward, "kda_ops::_chunk_kda_fwd": forward,
+                "kda_ops::_chunk_kda_bwd": backward, "kda_ops::recurrent_kda_v1": {"recurrent_kda_fwd_kernel"}}
+    for op, names in expected.items():
+        found = {defined.get(id(k), repr(k)) for k in get_triton_kernels_for_op(op)}
+        assert found == names, (op, sorted(found ^ names))
+    assert set(defined.values()) == set().union(*expected.values()), sorted(set(defined.values()))

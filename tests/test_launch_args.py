@@ -50,12 +50,14 @@ def record_launches():
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    torch.library.wrap_triton = Recorder
     from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton
     from kda_ops.kernels.recurrent import recurrent_kda_triton
     from kernel_inputs import bundles
 
-    from kda_ops.kernels import bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu
+    from kda_ops.kernels import (bwd_gate, bwd_inter, bwd_intra, bwd_qk, bwd_state, common, fwd_intra, fwd_state,
+                                 fwd_wu, recurrent)
+    for mod in (bwd_gate, bwd_inter, bwd_intra, bwd_qk, bwd_state, common, fwd_intra, fwd_state, fwd_wu, recurrent):
+        mod.wrap_triton = Recorder      # each launcher module calls wrap_triton by its bare name
     for mod in (bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu):
         if hasattr(mod, "tune_size"):
             mod.tune_size = lambda tokens, heads: SIZE_TAG + 1000 * tokens + heads

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -95,7 +96,7 @@ def chunk_kda_bwd_gate(dgam: torch.Tensor, x: KDAInputs, opts: KDAOptions, idx: 
     dA_log_p = torch.zeros(idx.NT_total, HV, NK, dtype=torch.float32, device=g.device) if has_alog else None
     ddt_bias_p = torch.zeros(idx.NT_total, HV, K, dtype=torch.float32, device=g.device) if has_bias else None
     pick = lambda t: absent(t, dgam)  # noqa: E731
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_gate)[(idx.NT_total, HV, NK)](
+    wrap_triton(chunk_kda_bwd_kernel_gate)[(idx.NT_total, HV, NK)](
         dgam, g, pick(x.A_log if has_alog else None), pick(x.dt_bias if has_bias else None),
         dg, pick(dA_log_p), pick(ddt_bias_p),
         pick(idx.cu_seqlens), pick(idx.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -221,7 +222,7 @@ def chunk_kda_bwd_inter(
     def grid(meta):
         return (triton.cdiv(K, meta["BK"]) + 1, idx.NT_total, HV)
 
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_inter)[grid](
+    wrap_triton(chunk_kda_bwd_kernel_inter)[grid](
         q, k, pick(rq), pick(rk), v, gam, beta, Tm, h, vn, do, dh, dvn,
         dq, dk, dgam, dv, dAqk, dM, dbeta,
         pick(idx.cu_seqlens), pick(idx.chunk_indices), float(scale), T, idx.N, H, HV, tune_size(B * T, HV),

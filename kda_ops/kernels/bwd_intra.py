@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -290,7 +291,7 @@ def chunk_kda_bwd_intra(
     HV = gam.shape[2]
     dbeta = torch.empty_like(beta_raw)
     pick = lambda t: absent(t, gam)  # noqa: E731
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_intra)[(idx.NT_total * (BT // BC), HV)](
+    wrap_triton(chunk_kda_bwd_kernel_intra)[(idx.NT_total * (BT // BC), HV)](
         q, k, pick(rq), pick(rk), gam, beta, dAqk, dM, beta_raw,
         dq, dk, dgam, dbeta_p,
         dbeta,

@@ -6,6 +6,7 @@ attention), then, with the l2norm in the op, y = x r, r = (|x|^2 + eps)^-1/2: dx
 from __future__ import annotations
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -61,7 +62,7 @@ def chunk_kda_bwd_qk(dq_hv: torch.Tensor, dk_hv: torch.Tensor, q: torch.Tensor, 
     BK = max(16, triton.next_power_of_2(K))
     BT = max(8, 2048 // BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_qk)[(triton.cdiv(B * T, BT), H)](
+    wrap_triton(chunk_kda_bwd_kernel_qk)[(triton.cdiv(B * T, BT), H)](
         dq_hv, dk_hv, q, k, dq, dk, B * T, float(L2NORM_EPS.value),
         H=H, HV=HV, K=K, BT=BT, BK=BK, USE_L2NORM=use_qk_l2norm, num_warps=4,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -168,7 +169,7 @@ def chunk_kda_bwd_state(
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), idx.N * HV)
 
-    torch.library.wrap_triton(chunk_kda_bwd_kernel_state)[grid](
+    wrap_triton(chunk_kda_bwd_kernel_state)[grid](
         qg, kd, W, gam, Aqk, do, pick(dht), *state_strides(dht), dh, dvn, pick(dh0),
         pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_lanes(idx.N, HV),
         K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),

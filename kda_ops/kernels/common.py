@@ -10,6 +10,7 @@ import os
 from typing import NamedTuple, Optional
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -143,7 +144,7 @@ def zero_uncovered(x: torch.Tensor, idx: ChunkIndex) -> torch.Tensor:
         T = x.shape[1]
         row = x[0, 0].numel()
         BR = 32
-        torch.library.wrap_triton(zero_uncovered_kernel)[(triton.cdiv(T, BR),)](
+        wrap_triton(zero_uncovered_kernel)[(triton.cdiv(T, BR),)](
             x, idx.cu_seqlens, T, idx.N, row, BR=BR, BC=min(256, triton.next_power_of_2(max(row, 16))),
             num_warps=4)
     return x

@@ -70,6 +70,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -413,7 +414,7 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
     scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     gate = gate_args(x, opts)
-    torch.library.wrap_triton(chunk_kda_fwd_kernel_intra)[(idx.NT_total, HV)](
+    wrap_triton(chunk_kda_fwd_kernel_intra)[(idx.NT_total, HV)](
         q, k, x.g, x.beta, absent(gate.A_log, q), absent(gate.dt_bias, q),
         out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
         out.kd, out.qg, kbg,

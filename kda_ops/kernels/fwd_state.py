@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -197,7 +198,7 @@ def chunk_kda_fwd_state(
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), idx.N * HV)
 
-    torch.library.wrap_triton(chunk_kda_fwd_kernel_state)[grid](
+    wrap_triton(chunk_kda_fwd_kernel_state)[grid](
         W, U, kd, qg, Aqk, gam, pick(initial_state), *state_strides(initial_state),
         pick(o), pick(h), pick(vn), pick(ht),
         pick(idx.cu_seqlens), pick(idx.chunk_offsets), T, HV, tune_lanes(idx.N, HV),

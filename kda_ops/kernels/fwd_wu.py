@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -121,7 +122,7 @@ def chunk_kda_fwd_wu(x: KDAInputs, opts: KDAOptions, intra: IntraOut, kbg: torch
     Tm = intra.Tm
     W = torch.empty(B, T, HV, K, dtype=kbg.dtype, device=v.device)
     U = torch.empty(B, T, HV, V, dtype=kbg.dtype, device=v.device)
-    torch.library.wrap_triton(chunk_kda_fwd_kernel_wu)[(idx.NT_total, HV)](
+    wrap_triton(chunk_kda_fwd_kernel_wu)[(idx.NT_total, HV)](
         v, intra.beta, Tm, kbg, W, U, intra.qg, intra.kd, intra.gam, x.beta,
         absent(idx.cu_seqlens, v), absent(idx.chunk_indices, v), T, idx.N, HV,
         tune_size(B * T, HV), K=K, V=V, BT=Tm.shape[-1],

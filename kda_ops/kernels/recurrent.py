@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -137,7 +138,7 @@ def recurrent_kda_triton(x: KDAInputs, opts: KDAOptions) -> Tuple[torch.Tensor, 
     lower_bound = opts.lower_bound
 
     BV = min(DECODE_BV, triton.next_power_of_2(V))
-    torch.library.wrap_triton(recurrent_kda_fwd_kernel)[(triton.cdiv(V, BV), N * HV)](
+    wrap_triton(recurrent_kda_fwd_kernel)[(triton.cdiv(V, BV), N * HV)](
         q, k, v, x.g, x.beta, absent(A_log, q), absent(dt_bias, q),
         h0, *state_strides(h0), o, ht, absent(cu_seqlens, q),
         float(opts.scale), 0.0 if lower_bound is None else float(lower_bound), T,
