@@ -25,6 +25,7 @@ from kda_ops.testing import make_inputs  # noqa: E402
 
 TUNED = {
     "fwd_intra": (fwd_intra, "chunk_kda_fwd_kernel_intra"),
+    "fwd_intra_rerun": (fwd_intra, "chunk_kda_fwd_kernel_intra_rerun"),
     "fwd_wu": (fwd_wu, "chunk_kda_fwd_kernel_wu"),
     "fwd_state": (fwd_state, "chunk_kda_fwd_kernel_state"),
     "bwd_state": (bwd_state, "chunk_kda_bwd_kernel_state"),

@@ -133,7 +133,8 @@ def test_chunk_kernels_autotune_per_size_class():
     timed on the first call's shape, e.g. a test's, was reused for every shape after it)."""
     from kda_ops.kernels import bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu
 
-    for kernel in (fwd_intra.chunk_kda_fwd_kernel_intra, fwd_wu.chunk_kda_fwd_kernel_wu,
+    for kernel in (fwd_intra.chunk_kda_fwd_kernel_intra, fwd_intra.chunk_kda_fwd_kernel_intra_rerun,
+                   fwd_wu.chunk_kda_fwd_kernel_wu,
                    fwd_state.chunk_kda_fwd_kernel_state, bwd_state.chunk_kda_bwd_kernel_state,
                    bwd_inter.chunk_kda_bwd_kernel_inter, bwd_intra.chunk_kda_bwd_kernel_intra):
         assert "TUNE_SIZE" in kernel.keys, kernel.fn.__name__
@@ -159,8 +160,8 @@ def test_compile_cache_keys_see_every_kernel():
         module = importlib.import_module(f"kda_ops.kernels.{m.name}")
         defined.update({id(obj): name for name, obj in vars(module).items()
                         if isinstance(obj, (JITFunction, Autotuner)) and "kernel" in name})
-    forward = {"chunk_kda_fwd_kernel_intra", "chunk_kda_fwd_kernel_wu", "chunk_kda_fwd_kernel_state",
-               "zero_uncovered_kernel"}
+    forward = {"chunk_kda_fwd_kernel_intra", "chunk_kda_fwd_kernel_intra_rerun", "chunk_kda_fwd_kernel_wu",
+               "chunk_kda_fwd_kernel_state", "zero_uncovered_kernel"}
     backward = forward | {"chunk_kda_bwd_kernel_state", "chunk_kda_bwd_kernel_inter", "chunk_kda_bwd_kernel_intra",
                           "chunk_kda_bwd_kernel_gate", "chunk_kda_bwd_kernel_qk"}
     expected = {"kda_ops::chunk_kda_v1": forward, "kda_ops::_chunk_kda_fwd": forward,

@@ -28,6 +28,7 @@ pytestmark = [
 
 KERNELS = [
     "fwd_intra:chunk_kda_fwd_kernel_intra",
+    "fwd_intra:chunk_kda_fwd_kernel_intra_rerun",
     "fwd_wu:chunk_kda_fwd_kernel_wu",
     "fwd_state:chunk_kda_fwd_kernel_state",
     "bwd_state:chunk_kda_bwd_kernel_state",

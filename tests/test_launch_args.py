@@ -134,7 +134,7 @@ def test_lengths_are_not_specialised():
                 fn = fn.fn
             if isinstance(fn, JITFunction) and "kernel" in name and fn.fn.__module__ == mod.__name__:
                 kernels[f"{info.name}.{name}"] = fn
-    assert len(kernels) == 10, sorted(kernels)
+    assert len(kernels) == 11, sorted(kernels)     # fwd_intra has two autotuners (the rerun) over one kernel
     for name, fn in kernels.items():
         lengths = [a for a in fn.arg_names if a in LENGTH_ARGS]
         assert lengths, name

@@ -80,13 +80,16 @@ from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, au
                      kd_chunk, l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
 
+INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED"]
+
+
 @triton.autotune(
     configs=autotune_configs([
         triton.Config({"BK": 32}, num_warps=8, num_stages=1),
         triton.Config({"BK": 64}, num_warps=8, num_stages=1),
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),   # 255 regs: two programs per SM
     ]),
-    key=["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED"],
+    key=INTRA_KEY,
 )
 @length_jit
 def chunk_kda_fwd_kernel_intra(
@@ -294,6 +297,20 @@ def chunk_kda_fwd_kernel_intra(
         tl.store(Tm + p_a, b_tm.to(Tm.dtype.element_ty), mask=m_t[:, None])
 
 
+# The backward's rerun (SAVED_A) of the same kernel, with configs of its own: without Aqk, L and the inverse the
+# build needs 136-186 registers a thread (sm_90, K = 128), so a cap of 128 adds programs per SM where it does not
+# spill (BK 64 / 8 warps, BK 16 / 4 warps: two and four programs per SM), which the forward's build at 255 could
+# not take.
+chunk_kda_fwd_kernel_intra_rerun = triton.autotune(
+    configs=autotune_configs([
+        triton.Config({"BK": 32}, num_warps=4, num_stages=1),
+        triton.Config({"BK": 64}, num_warps=8, num_stages=1, maxnreg=128),
+        triton.Config({"BK": 16}, num_warps=4, num_stages=1, maxnreg=128),
+    ]),
+    key=INTRA_KEY,
+)(chunk_kda_fwd_kernel_intra.fn)
+
+
 @triton.jit
 def middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
     """[BT, BK] gam_i - gam_m(i), m(i) the middle row of i's R-row block (the chunk's last row where that middle
@@ -414,7 +431,8 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
     scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     gate = gate_args(x, opts)
-    wrap_triton(chunk_kda_fwd_kernel_intra)[(idx.NT_total, HV)](
+    kernel = chunk_kda_fwd_kernel_intra if saved is None else chunk_kda_fwd_kernel_intra_rerun
+    wrap_triton(kernel)[(idx.NT_total, HV)](
         q, k, x.g, x.beta, absent(gate.A_log, q), absent(gate.dt_bias, q),
         out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
         out.kd, out.qg, kbg,
