@@ -25,7 +25,9 @@ SIZE_TAG, LANES_TAG = 1_000_000, 2_000_000
 
 def record_launches():
     """In the child (TRITON_INTERPRET=1): run the launchers, return [(kernel, [overlapping argument pairs],
-    TUNE_SIZE or None, BOUNDED or None, (tokens, sequences, value heads, lower_bound) of the call)]."""
+    TUNE_SIZE or None, BOUNDED or None, (tokens, sequences, value heads, lower_bound) of the call, SAVED_A or
+    None)]; kernel: the name it has in its module (the backward's rerun of the forward intra kernel is
+    chunk_kda_fwd_kernel_intra_rerun)."""
     import torch
 
     from kda_case import Case
@@ -45,8 +47,8 @@ def record_launches():
                 spans = [(n, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for n, t in tensors]
                 overlaps = [(a, b) for i, (a, pa, na) in enumerate(spans) for (b, pb, nb) in spans[i + 1:]
                             if pa < pb + max(nb, 1) and pb < pa + max(na, 1)]
-                launches.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, overlaps,
-                                 named.get("TUNE_SIZE"), named.get("BOUNDED"), call[-1]))
+                launches.append((names[id(self.kernel)], overlaps, named.get("TUNE_SIZE"), named.get("BOUNDED"),
+                                 call[-1], named.get("SAVED_A")))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
@@ -56,8 +58,10 @@ def record_launches():
 
     from kda_ops.kernels import (bwd_gate, bwd_inter, bwd_intra, bwd_qk, bwd_state, common, fwd_intra, fwd_state,
                                  fwd_wu, recurrent)
+    names = {}
     for mod in (bwd_gate, bwd_inter, bwd_intra, bwd_qk, bwd_state, common, fwd_intra, fwd_state, fwd_wu, recurrent):
         mod.wrap_triton = Recorder      # each launcher module calls wrap_triton by its bare name
+        names.update({id(obj): name for name, obj in vars(mod).items() if "kernel" in name})
     for mod in (bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu):
         if hasattr(mod, "tune_size"):
             mod.tune_size = lambda tokens, heads: SIZE_TAG + 1000 * tokens + heads
@@ -97,21 +101,25 @@ def test_launch_arguments_do_not_alias():
     # the size in each autotune key: the state passes' lanes are sequences x heads (the length only sets how
     # long each lane runs), the chunk-parallel kernels' size is tokens x heads
     tuned = {}
-    for name, _, tune, _, (tokens, sequences, heads, _) in launches:
+    for name, _, tune, _, (tokens, sequences, heads, _), _ in launches:
         if tune is not None:
             want = LANES_TAG + 1000 * sequences + heads if "state" in name else SIZE_TAG + 1000 * tokens + heads
             assert tune == want, (name, tune, want)
             tuned[name] = tune
-    assert len(tuned) == 6, sorted(tuned)
+    assert len(tuned) == 7, sorted(tuned)
     # the in-op gate with lower_bound = -5 builds both intra kernels without their span test and exact path
     # (kernels.common.bounded_gate); without lower_bound they keep them. Only speed depends on it (either build
     # is correct for a bounded gate), so no accuracy test would see a launcher that lost the flag
     flags = {}
-    for name, _, _, bounded, (*_, lb) in launches:
+    for name, _, _, bounded, (*_, lb), _ in launches:
         if bounded is not None:
             flags.setdefault((name, lb), set()).add(bounded)
-    assert flags == {(f"chunk_kda_{d}_kernel_intra", lb): {lb is not None} for d in ("fwd", "bwd")
-                     for lb in (None, -5.0)}, flags
+    assert flags == {(kernel, lb): {lb is not None} for kernel in ("chunk_kda_fwd_kernel_intra",
+                     "chunk_kda_fwd_kernel_intra_rerun", "chunk_kda_bwd_kernel_intra") for lb in (None, -5.0)}, flags
+    # the backward's rerun with the forward's Aqk and Tm runs on the rerun's own autotuner (its configs), the
+    # forward and a backward without them on the forward's
+    saved = {(name, s) for name, *_, s in launches if name.startswith("chunk_kda_fwd_kernel_intra")}
+    assert saved == {("chunk_kda_fwd_kernel_intra", False), ("chunk_kda_fwd_kernel_intra_rerun", True)}, saved
 
 
 def test_lengths_are_not_specialised():
