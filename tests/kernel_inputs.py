@@ -1,5 +1,9 @@
-"""The launchers' bundles from a kda_case.Case's (inputs, kwargs): what ops.py passes to kda_ops.kernels."""
+"""The launchers' bundles from a kda_case.Case's (inputs, kwargs): what ops.py passes to kda_ops.kernels; and the
+kernels those launchers launch."""
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from kda_ops.options import KDAInputs, KDAOptions
 
@@ -16,3 +20,34 @@ def bundles(inputs, kw, scale=None, **over):
         use_beta_sigmoid=kw.get("use_beta_sigmoid_in_kernel", False),
         allow_neg_eigval=kw.get("allow_neg_eigval", False))
     return x, opts
+
+
+def base_kernel(obj):
+    """The jit function under a kernel's autotune / heuristics wrappers (an InterpretedFunction under
+    TRITON_INTERPRET=1, else a JITFunction)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    while hasattr(obj, "fn") and not isinstance(obj, (JITFunction, InterpretedFunction)):
+        obj = obj.fn
+    return obj
+
+
+def kernel_objects() -> dict:
+    """{(module, name): object} for every launchable Triton kernel defined in a module of kda_ops.kernels: each
+    @triton.jit or autotuned object whose name holds "kernel" (two autotuners over one jit function are two
+    entries; the jit helpers they call are not kernels)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import kda_ops.kernels as pkg
+
+    found = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"kda_ops.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            fn = base_kernel(obj)
+            if isinstance(fn, (JITFunction, InterpretedFunction)) and "kernel" in name \
+                    and fn.fn.__module__ == mod.__name__:
+                found[(info.name, name)] = obj
+    return found

@@ -146,20 +146,10 @@ def test_compile_cache_keys_see_every_kernel():
     functions it calls by name. A kernel it misses is not in the key, so a graph cached before an edit or an
     upgrade of kda_ops would run the old kernel. Each op must list exactly the kernels it launches, and every
     kernel of kda_ops.kernels must be launched by some op."""
-    import importlib
-    import pkgutil
-
+    from kernel_inputs import kernel_objects
     from torch._library.triton import get_triton_kernels_for_op
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
 
-    import kda_ops.kernels as kernels_pkg
-
-    defined = {}
-    for m in pkgutil.iter_modules(kernels_pkg.__path__):
-        module = importlib.import_module(f"kda_ops.kernels.{m.name}")
-        defined.update({id(obj): name for name, obj in vars(module).items()
-                        if isinstance(obj, (JITFunction, Autotuner)) and "kernel" in name})
+    defined = {id(obj): name for (_, name), obj in kernel_objects().items()}
     forward = {"chunk_kda_fwd_kernel_intra", "chunk_kda_fwd_kernel_intra_rerun", "chunk_kda_fwd_kernel_wu",
                "chunk_kda_fwd_kernel_state", "zero_uncovered_kernel"}
     backward = forward | {"chunk_kda_bwd_kernel_state", "chunk_kda_bwd_kernel_inter", "chunk_kda_bwd_kernel_intra",

@@ -54,14 +54,14 @@ def record_launches():
 
     from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton
     from kda_ops.kernels.recurrent import recurrent_kda_triton
-    from kernel_inputs import bundles
+    from kernel_inputs import bundles, kernel_objects
 
-    from kda_ops.kernels import (bwd_gate, bwd_inter, bwd_intra, bwd_qk, bwd_state, common, fwd_intra, fwd_state,
-                                 fwd_wu, recurrent)
-    names = {}
-    for mod in (bwd_gate, bwd_inter, bwd_intra, bwd_qk, bwd_state, common, fwd_intra, fwd_state, fwd_wu, recurrent):
-        mod.wrap_triton = Recorder      # each launcher module calls wrap_triton by its bare name
-        names.update({id(obj): name for name, obj in vars(mod).items() if "kernel" in name})
+    import kda_ops.kernels as pkg
+    from kda_ops.kernels import bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu
+    kernels = kernel_objects()
+    names = {id(obj): name for (_, name), obj in kernels.items()}
+    for module in {module for module, _ in kernels}:
+        setattr(getattr(pkg, module), "wrap_triton", Recorder)   # each launcher module calls wrap_triton by name
     for mod in (bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu):
         if hasattr(mod, "tune_size"):
             mod.tune_size = lambda tokens, heads: SIZE_TAG + 1000 * tokens + heads
@@ -125,23 +125,11 @@ def test_launch_arguments_do_not_alias():
 def test_lengths_are_not_specialised():
     """Every kernel leaves its length-like integer arguments (kernels.common.LENGTH_ARGS) unspecialised, so a call
     at a new sequence length reuses the compiled kernels (Triton specialises an int on == 1 and % 16 == 0)."""
-    import importlib
-    import pkgutil
+    from kernel_inputs import base_kernel, kernel_objects
 
-    from triton.runtime.jit import JITFunction
-
-    import kda_ops.kernels as pkg
     from kda_ops.kernels.common import LENGTH_ARGS
 
-    kernels = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"kda_ops.kernels.{info.name}")
-        for name, obj in vars(mod).items():
-            fn = obj
-            while hasattr(fn, "fn") and not isinstance(fn, JITFunction):     # autotune / heuristics wrappers
-                fn = fn.fn
-            if isinstance(fn, JITFunction) and "kernel" in name and fn.fn.__module__ == mod.__name__:
-                kernels[f"{info.name}.{name}"] = fn
+    kernels = {f"{module}.{name}": base_kernel(obj) for (module, name), obj in kernel_objects().items()}
     assert len(kernels) == 11, sorted(kernels)     # fwd_intra has two autotuners (the rerun) over one kernel
     for name, fn in kernels.items():
         lengths = [a for a in fn.arg_names if a in LENGTH_ARGS]
