@@ -32,7 +32,7 @@ from kda_ops.kernels.bwd_gate import chunk_kda_bwd_kernel_gate  # noqa: E402
 from kda_ops.kernels.bwd_inter import chunk_kda_bwd_kernel_inter  # noqa: E402
 from kda_ops.kernels.bwd_intra import chunk_kda_bwd_kernel_intra  # noqa: E402
 from kda_ops.kernels.bwd_state import chunk_kda_bwd_kernel_state  # noqa: E402
-from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra  # noqa: E402
+from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_intra_rerun  # noqa: E402
 from kda_ops.kernels.fwd_state import chunk_kda_fwd_kernel_state  # noqa: E402
 from kda_ops.kernels.fwd_wu import chunk_kda_fwd_kernel_wu  # noqa: E402
 
@@ -111,7 +111,7 @@ def mn_a16(ttgir):
             n += 1
     return n
 
-def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
+def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, maxnreg=None, **flags):
     """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
     wdt = wdt or dt
     names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','scr','rq','rk','kd','qg','kbg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
@@ -122,7 +122,8 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, **flags):
              INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False, BOUNDED=False)
     c.update(flags)
     tag = ('_saved' if c['SAVED_A'] else '') + ('_bounded' if c['BOUNDED'] else '')
-    comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}")
+    tag += f'_r{maxnreg}' if maxnreg else ''
+    comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}", maxnreg)
 
 
 def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
@@ -200,8 +201,11 @@ if __name__ == '__main__':
     what = [w for w in sys.argv[1:] if w != '--sass'] or ['intra', 'wu', 'state']
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
-        for (BK, w) in ((32, 8), (64, 8), (32, 4)):     # the backward's recompute with the forward's Aqk, Tm
-            intra(BK=BK, w=w, SAVED_A=True)
+        # the backward's recompute with the forward's Aqk, Tm: its own autotuner's configs, and BK 64 / 8 warps
+        # without the register cap
+        for cf in chunk_kda_fwd_kernel_intra_rerun.configs:
+            intra(BK=cf.kwargs['BK'], w=cf.num_warps, maxnreg=cf.maxnreg, SAVED_A=True)
+        intra(BK=64, w=8, SAVED_A=True)
         intra(K=256, SAVED_A=True); intra('fp32', K=100, SAVED_A=True)
         intra(HAS_LOWER_BOUND=True, BOUNDED=True); intra(w=8, HAS_LOWER_BOUND=True, BOUNDED=True)
     if 'wu' in what:

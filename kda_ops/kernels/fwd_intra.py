@@ -298,9 +298,9 @@ def chunk_kda_fwd_kernel_intra(
 
 
 # The backward's rerun (SAVED_A) of the same kernel, with configs of its own: without Aqk, L and the inverse the
-# build needs 136-186 registers a thread at 8 warps and 167 at BK 32 / 4 warps (sm_90, K = 128), so a cap of 128
-# adds programs per SM where it does not spill (BK 64 / 8 warps, BK 16 / 4 warps: two and four programs per SM);
-# the forward's build needs 255 and spills under such a cap.
+# build needs 152 registers a thread at BK 64 / 8 warps and 167 at BK 32 / 4 warps (sm_90, K = 128;
+# `python benchmarks/compile_sm90.py intra`), so a cap of 128 adds programs per SM where it does not spill
+# (BK 64 / 8 warps, BK 16 / 4 warps: two and four programs per SM); the forward's build needs 255.
 chunk_kda_fwd_kernel_intra_rerun = triton.autotune(
     configs=autotune_configs([
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),
