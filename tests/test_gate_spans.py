@@ -53,16 +53,27 @@ def test_step_between_the_two_spans():
     g[:, 41::64, :, 0] = -55.0
     assert spans.fast_shares(g, 16)[0] == pytest.approx(0.5)
     assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value) == (1.0, 1.0)
+    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value, "midpoint") == (1.0, 1.0)
+
+
+def test_midpoint_halves_the_spread():
+    # one step of 120 nats (173 in log2) at row 41: 132 from the middle row 40 of block 32-47, past SPAN_UNIT;
+    # the midpoint of rows 32 and 47 is 87 from every row of the block, within it
+    g = torch.zeros(1, 128, 2, 32)
+    g[:, 41::64, :, 0] = -120.0
+    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value)[0] == pytest.approx(0.5)
+    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value, "midpoint") == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("row, tiers", [(40, (0.5, 0.5, 0.0, 0.0)), (44, (0.5, 0.0, 0.5, 0.0)),
                                         (41, (0.5, 0.0, 0.0, 0.5))])
 def test_forward_tiers(row, tiers):
-    # one step of 100 nats (144 in log2, past SPAN_UNIT) at `row` of every chunk, channel 0 only. At row 40 it
-    # falls between the halves of 16-row block 2 (rows 32-47): 8-row blocks do not see it. At row 44, between
-    # the halves of the 8-row block 40-47: 4-row blocks do not see it. At row 41 a 4-row block (40-43) does.
+    # one step of 180 nats (260 in log2: 130 from the midpoint of any block it falls in, past SPAN_UNIT) at `row`
+    # of every chunk, channel 0 only. At row 40 it falls between the halves of 16-row block 2 (rows 32-47): 8-row
+    # blocks do not see it. At row 44, between the halves of the 8-row block 40-47: 4-row blocks do not see it.
+    # At row 41 a 4-row block (40-43) does.
     g = torch.zeros(1, 128, 2, 32)
-    g[:, row::64, :, 0] = -100.0
+    g[:, row::64, :, 0] = -180.0
     assert spans.forward_tiers(g, 16) == pytest.approx(tiers)    # K-block 1 of each chunk: one 16-row dot
 
 

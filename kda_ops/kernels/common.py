@@ -181,8 +181,9 @@ def size_class(x, lo: int, classes: int):
 
 def bounded_gate(opts: KDAOptions, span) -> bool:
     """Whether the in-op safe gate keeps every 16-row block of gam within `span` (log2 units) of the block's
-    middle row, whatever the inputs: each step's log decay lies in [lower_bound, 0] (an invalid gate element
-    counts as 0, rows past the end too), and no row is more than BC // 2 steps from its block's middle row.
+    reference, whatever the inputs: each step's log decay lies in [lower_bound, 0] (an invalid gate element
+    counts as 0, rows past the end too), and no row is more than BC // 2 steps from its block's middle row (the
+    backward's reference; the forward's, the midpoint of the block's first and last rows, is within (BC - 1) / 2).
     A kernel given True can drop its test of the span and its exact path. Decided from the options alone,
     never from the data."""
     lb = opts.lower_bound if opts.use_gate else None

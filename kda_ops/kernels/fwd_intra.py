@@ -21,16 +21,17 @@ The pairs of different 16-row blocks are always taken exactly, by levels 32 and 
 (split_level): at level S each S-row segment pairs the rows of its second half with the columns of its first half
 in one dot per operand, factored around the segment's middle row (both factors <= 1 for any decay). For the pairs
 inside the four diagonal blocks, per K-block, chosen in the kernel from the data (no host sync):
-* fast (|gam_i - gam_m(i)| <= span for every row i, m(i) the middle row of i's 16-row block; span is
-  common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): all four
-  blocks in one tensor-core dot per operand, factored around each block's middle row (diagonal_dots):
-  (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)); the entries outside the blocks are discarded, those
-  above the diagonal after the K loop. A K-block costs 4 exp2 tiles and 6 dots;
+* fast (|gam_i - c(i)| <= span for every row i, c(i) the midpoint (gam_a + gam_b) / 2 of the first and last
+  rows of i's 16-row block, which halves the block's spread; span is common.SPAN_UNIT with the in-op l2norm,
+  whose rows enter the dots normalised, else common.SPAN): all four blocks in one tensor-core dot per operand,
+  factored around each block's midpoint (diagonal_dots): (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)); the
+  entries outside the blocks are discarded, those above the diagonal after the K loop. A K-block costs 4 exp2
+  tiles and 6 dots;
 * otherwise (a block spans more than span, e.g. strong decay without lower_bound) down the split: level 16, then
   the same test and dots for the 8-row halves of the blocks; where that fails, level 8 and the 4-row quarters;
   then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j, decay 1, which always
-  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level one more
-  middle-row load and reduction for its test.
+  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level two more
+  row loads (first and last rows) and a reduction for its test.
 With the in-op safe gate no block spans more than common.SPAN (common.bounded_gate): the kernel is then built
 without the test and the exact path (BOUNDED).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
@@ -224,11 +225,11 @@ def chunk_kda_fwd_kernel_intra(
                 # a non-finite k element stays non-finite (its row factor is 0: 0 * inf and 0 * NaN are NaN)
                 b_q = b_q * b_rq[:, None]
                 b_k = b_k * b_rk[:, None]
-            # The diagonal 16-row blocks take one factored dot per operand when every |gam_i - gam_m(i)| <= span in
-            # this K-block (m(i) the middle row of i's block): the row factors exp2(gam_i - gam_m) and the column
-            # factors exp2(gam_m - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
+            # The diagonal 16-row blocks take one factored dot per operand when every |gam_i - c(i)| <= span in
+            # this K-block (c(i) the midpoint of i's block, midpoint_delta): the row factors exp2(gam_i - c) and the
+            # column factors exp2(c - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
             # overflows and what a flush costs). The test's loads and reduction are issued before the levels below.
-            b_dm = middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, BC)                      # [BT, BK]
+            b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, BC)                      # [BT, BK]
             if BOUNDED:     # the safe gate bounds the span (common.bounded_gate): no test, no exact path
                 fast = True
             else:
@@ -248,7 +249,7 @@ def chunk_kda_fwd_kernel_intra(
                     if go:
                         b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv,
                                                    BT, DOT_DT, PREC)
-                        b_dm = middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, 1 << (lv - 1))
+                        b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, 1 << (lv - 1))
                         if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
                             b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, 1 << (lv - 1), DOT_DT,
                                                          PREC)
@@ -312,21 +313,26 @@ chunk_kda_fwd_kernel_intra_rerun = triton.autotune(
 
 
 @triton.jit
-def middle_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
-    """[BT, BK] gam_i - gam_m(i), m(i) the middle row of i's R-row block (the chunk's last row where that middle
-    row is past it); 0 on rows past Tc. b_g: the K-block's gam rows."""
-    o_m = tl.minimum((o_t // R) * R + R // 2, Tc - 1)
-    return b_g - tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+def midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
+    """[BT, BK] gam_i - c(i), c(i) = (gam_a + gam_b) / 2 the midpoint of the first row a and the last row b of i's
+    R-row block (rows past Tc - 1 taken as Tc - 1); 0 on rows past Tc. gam does not increase along the chunk, so
+    c(i) halves the block's spread: max |gam_i - c(i)| = (gam_a - gam_b) / 2, where a reference row of the block
+    leaves up to R // 2 steps on one side. b_g: the K-block's gam rows."""
+    o_a = tl.minimum((o_t // R) * R, Tc - 1)
+    o_b = tl.minimum((o_t // R) * R + (R - 1), Tc - 1)
+    b_ga = tl.load(gam + o_a[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+    b_gb = tl.load(gam + o_b[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
+    return b_g - 0.5 * (b_ga + b_gb)
 
 
 @triton.jit
 def diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, R, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's middle row:
-    (x_i exp2(gam_i - gam_m)) . (k_j exp2(gam_m - gam_j)), b_dm = gam_i - gam_m(i) (middle_delta) within the span.
+    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's midpoint c:
+    (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)), b_dm = gam_i - c(i) (midpoint_delta) within the span.
     Entries outside the blocks are discarded here (their factors' product may overflow), those above the diagonal
     by the caller after the K loop. Returns b_aqk, b_akk with the K-block's sums added."""
     m_blk = (o_t[:, None] // R) == (o_t[None, :] // R)                  # [BT, BT] same diagonal block
-    b_e = tl.exp2(b_dm)                                                 # [BT, BK] exp2(gam_i - gam_m(i))
+    b_e = tl.exp2(b_dm)                                                 # [BT, BK] exp2(gam_i - c(i))
     b_kc = tl.trans((b_k * tl.exp2(-b_dm)).to(DOT_DT))                  # [BK, BT]
     # [BT, BK] @ [BK, BT] -> [BT, BT]
     b_aqk += tl.where(m_blk, tl.dot((b_q * b_e).to(DOT_DT), b_kc, input_precision=PREC), 0.0)
