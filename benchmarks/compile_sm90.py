@@ -53,7 +53,7 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
                            options=dict(num_warps=num_warps, num_stages=num_stages,
                                         **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     except Exception as e:
-        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:300]}"); return
+        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:int(os.environ.get('ERRLEN', 300))]}"); return
     path = os.path.join(OUT, f'{tag}.cubin')
     open(path, 'wb').write(k.asm['cubin'])
     out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout
@@ -82,7 +82,7 @@ def sass_insts(sass):
              else None) for a, op, rest in insts]
 
 
-def sass_counts(insts, ops=('LDG', 'STG', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
+def sass_counts(insts, ops=('LDG', 'STG', 'LDL', 'STL', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
     """'N instructions, LDG n, ...' of sass_insts' list."""
     names = [op for _, op, _ in insts]
     return f"{len(names)} instructions, " + ", ".join(f"{op} {names.count(op)}" for op in ops)
@@ -119,9 +119,9 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, maxnreg=None, **flags):
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
-             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False, BOUNDED=False)
+             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False, BOUNDED=False, DIAG=16)
     c.update(flags)
-    tag = ('_saved' if c['SAVED_A'] else '') + ('_bounded' if c['BOUNDED'] else '')
+    tag = ('_saved' if c['SAVED_A'] else '') + ('_bounded' if c['BOUNDED'] else '') + f"_diag{c['DIAG']}"
     tag += f'_r{maxnreg}' if maxnreg else ''
     comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}", maxnreg)
 
@@ -207,7 +207,9 @@ if __name__ == '__main__':
             intra(BK=cf.kwargs['BK'], w=cf.num_warps, maxnreg=cf.maxnreg, SAVED_A=True)
         intra(BK=64, w=8, SAVED_A=True)
         intra(K=256, SAVED_A=True); intra('fp32', K=100, SAVED_A=True)
-        intra(HAS_LOWER_BOUND=True, BOUNDED=True); intra(w=8, HAS_LOWER_BOUND=True, BOUNDED=True)
+        # the safe gate: lower_bound = -5 (32-row halves, fwd_intra.diagonal_rows), -5.1 (16-row blocks)
+        for diag in (32, 16):
+            intra(HAS_LOWER_BOUND=True, BOUNDED=True, DIAG=diag); intra(w=8, HAS_LOWER_BOUND=True, BOUNDED=True, DIAG=diag)
     if 'wu' in what:
         for (BK, w, st) in [(cf.kwargs['BK'], cf.num_warps, cf.num_stages) for cf in chunk_kda_fwd_kernel_wu.configs]:
             for K in (128, 256, 100):

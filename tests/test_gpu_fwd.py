@@ -178,9 +178,12 @@ def test_eager_call_skips_the_dispatcher(name):
     profiler sees no kda_ops op) and launches its kernels directly, as triton_op runs the body (every launch
     finds wrap_triton off: no higher-order-op dispatch); under a dispatch mode the same call goes through the
     op, with the same result bit for bit."""
+    import contextlib
+    import importlib
     from unittest import mock
 
     import kda_ops
+    from kernel_inputs import kernel_objects
     from torch._library import triton as library_triton
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -205,8 +208,11 @@ def test_eager_call_skips_the_dispatcher(name):
     def spy(kernel):
         launches.append(library_triton.is_wrap_triton_enabled())
         return wrap(kernel)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
-            mock.patch.object(torch.library, "wrap_triton", spy):
+    with contextlib.ExitStack() as stack:
+        prof = stack.enter_context(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]))
+        for module in {module for module, _ in kernel_objects()}:   # each launcher calls wrap_triton by name
+            stack.enter_context(mock.patch.object(importlib.import_module(f"kda_ops.kernels.{module}"),
+                                                  "wrap_triton", spy))
         o, ht = call()
     assert not [e.name for e in prof.events() if e.name.startswith("kda_ops::")]
     assert launches and not any(launches), launches

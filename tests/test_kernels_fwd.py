@@ -375,6 +375,27 @@ def test_full_decay_g_minus_inf(seqlens):
 
 
 @interpreter_only
+def test_safe_gate_at_its_bound():
+    """lower_bound = -5 with the in-op l2norm: the forward intra kernel takes each 32-row half of a chunk in one
+    factored dot per operand (fwd_intra.diagonal_rows), its factors up to 2^111.8 when every step sits at the bound.
+    Raw g = 1e4 (each step exactly lower_bound) on half the channels of every token, and on every channel of a
+    40-token run; forward and backward against the fp64 recurrence, varlen with a partial chunk."""
+    from kda_ops.kernels.fwd_intra import diagonal_rows
+    c = Case(B=1, T=150, H=1, HV=2, K=32, V=16, in_op=True, lower_bound=-5.0, dtype=torch.float32,
+             seqlens=[100, 50])
+    inputs, kw = c.make(seed=8)
+    inputs = [t.float() for t in inputs]
+    inputs[3][0, :, :, :16] = 1e4
+    inputs[3][0, 10:50] = 1e4
+    gen = torch.Generator().manual_seed(9)
+    do = torch.randn(1, 150, 2, 16, generator=gen)
+    dht = torch.randn(2, 2, 32, 16, generator=gen)
+    x, opts = bundles(inputs, kw)
+    assert diagonal_rows(opts) == 32
+    check_vs_recurrence(inputs, kw, do, dht, x, opts, tol=5e-5)
+
+
+@interpreter_only
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lb"])
 def test_raw_gate_plus_inf(lower_bound):
     """Raw g = +inf through the in-op gate: with softplus a full reset (the activated gate is -inf, floored),

@@ -76,12 +76,12 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
+from .common import (BC, BT, L2NORM_EPS, LOG2E, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
                      chunk_bounds, chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale,
                      kd_chunk, l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
 
-INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED"]
+INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED", "DIAG"]
 
 
 @triton.autotune(
@@ -106,7 +106,7 @@ def chunk_kda_fwd_kernel_intra(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
-    INV_PREC: tl.constexpr, KD_T: tl.constexpr, SAVED_A: tl.constexpr, BOUNDED: tl.constexpr,
+    INV_PREC: tl.constexpr, KD_T: tl.constexpr, SAVED_A: tl.constexpr, BOUNDED: tl.constexpr, DIAG: tl.constexpr,
 ):
     """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
     follow from Tm and kbg in chunk_kda_fwd_kernel_wu. SAVED_A (the backward, with the forward's Aqk and Tm
@@ -229,17 +229,19 @@ def chunk_kda_fwd_kernel_intra(
             # this K-block (c(i) the midpoint of i's block, midpoint_delta): the row factors exp2(gam_i - c) and the
             # column factors exp2(c - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
             # overflows and what a flush costs). The test's loads and reduction are issued before the levels below.
-            b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, BC)                      # [BT, BK]
+            # (DIAG = 32: the 32-row halves of the chunk, which the safe gate bounds; diagonal_rows)
+            b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, DIAG)                    # [BT, BK]
             if BOUNDED:     # the safe gate bounds the span (common.bounded_gate): no test, no exact path
                 fast = True
             else:
                 fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-            # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split (split_level)
-            for lb in tl.static_range(5, 7):
-                b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lb, BT,
-                                           DOT_DT, PREC)
+            # pairs of different blocks, exact for any decay: levels 2 DIAG .. 64 of the binary split (split_level)
+            for up in tl.static_range(1, 3):
+                if (DIAG << up) <= BT:
+                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, DIAG << up,
+                                               BT, DOT_DT, PREC)
             if fast:
-                b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC, DOT_DT, PREC)
+                b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, DIAG, DOT_DT, PREC)
             else:
                 # down the split from level 16: each level S, then the same test for the S/2-row halves of its
                 # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
@@ -368,6 +370,18 @@ def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: 
     return b_aqk, b_akk
 
 
+def diagonal_rows(opts: KDAOptions) -> int:
+    """The rows of the diagonal blocks that the forward intra kernel takes by one factored dot per operand on its
+    fast path: the chunk's 32-row halves (2 BC) when the in-op safe gate and the in-op l2norm bound every half within
+    SPAN_UNIT of its midpoint whatever the inputs (each step's log decay in [lower_bound, 0], at most (2 BC - 1) / 2
+    steps from the midpoint: lower_bound >= -5.0 or so, 31 x 5 x log2(e) / 2 = 111.8), else its 16-row blocks (BC).
+    With halves a K-block takes 4 dots instead of 6 (the split's level 32 is not needed). From the options alone."""
+    lb = opts.lower_bound if opts.use_gate else None
+    if lb is not None and opts.use_qk_l2norm and -float(lb) * (2 * BC - 1) / 2 * LOG2E.value <= SPAN_UNIT.value:
+        return 2 * BC
+    return BC
+
+
 class IntraOut(NamedTuple):
     """What :func:`chunk_kda_fwd_intra` stores (token-major like the inputs unless said; BT = 64).
 
@@ -449,6 +463,6 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
         INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t, SAVED_A=saved is not None,
-        BOUNDED=bounded_gate(opts, SPAN),
+        BOUNDED=bounded_gate(opts, SPAN), DIAG=diagonal_rows(opts),
     )
     return out, kbg
