@@ -53,7 +53,7 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
                            options=dict(num_warps=num_warps, num_stages=num_stages,
                                         **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     except Exception as e:
-        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:int(os.environ.get('ERRLEN', 300))]}"); return
+        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:2000]}"); return
     path = os.path.join(OUT, f'{tag}.cubin')
     open(path, 'wb').write(k.asm['cubin'])
     out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout

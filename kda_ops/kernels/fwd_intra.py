@@ -33,7 +33,9 @@ inside the four diagonal blocks, per K-block, chosen in the kernel from the data
   pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level two more
   row loads (first and last rows) and a reduction for its test.
 With the in-op safe gate no block spans more than common.SPAN (common.bounded_gate): the kernel is then built
-without the test and the exact path (BOUNDED).
+without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no row of a
+32-row half is more than SPAN_UNIT from the half's midpoint: the fast path then takes the halves (DIAG = 32,
+diagonal_rows), and only level 64 of the split remains (4 dots per K-block).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
