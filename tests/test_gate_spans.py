@@ -89,3 +89,18 @@ def test_bounded_gate_matches_the_worst_safe_gate(lower_bound):
     assert bounded_gate(KDAOptions(1.0, lower_bound, use_gate=True), spans.SPAN) == worst_fits
     assert not bounded_gate(KDAOptions(1.0, lower_bound, use_gate=False), spans.SPAN)   # g given: nothing bounds it
     assert not bounded_gate(KDAOptions(1.0, None, use_gate=True), spans.SPAN)
+
+
+@pytest.mark.parametrize("lower_bound", [-1.0, -5.0, -5.007, -5.01, -8.0])
+def test_diagonal_rows_matches_the_worst_safe_gate(lower_bound):
+    # kernels.fwd_intra.diagonal_rows lets the forward take each 32-row half of a chunk in one factored dot per
+    # operand; it must say so exactly when the worst gate that lower_bound allows keeps every half within
+    # SPAN_UNIT of its midpoint: 15.5 steps x 5.007 nats x log2(e) = 111.97, at 5.01 112.03
+    from kda_ops.kernels.fwd_intra import diagonal_rows
+    from kda_ops.options import KDAOptions
+    g = torch.full((1, 128, 1, 16), lower_bound, dtype=torch.float64)
+    worst_fits = spans.spreads(g, 16, 32, "midpoint").max().item() <= spans.SPAN_UNIT.value
+    opts = KDAOptions(1.0, lower_bound, use_qk_l2norm=True, use_gate=True)
+    assert diagonal_rows(opts) == (32 if worst_fits else 16)
+    assert diagonal_rows(KDAOptions(1.0, lower_bound, use_gate=True)) == 16      # raw rows: the span is SPAN
+    assert diagonal_rows(KDAOptions(1.0, None, use_qk_l2norm=True, use_gate=True)) == 16
