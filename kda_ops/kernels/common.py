@@ -179,15 +179,15 @@ def size_class(x, lo: int, classes: int):
     return sum(torch.sym_min(x // (lo << i), 1) for i in range(classes - 1))
 
 
-def bounded_gate(opts: KDAOptions, span) -> bool:
-    """Whether the in-op safe gate keeps every 16-row block of gam within `span` (log2 units) of the block's
-    reference, whatever the inputs: each step's log decay lies in [lower_bound, 0] (an invalid gate element
-    counts as 0, rows past the end too), and no row is more than BC // 2 steps from its block's middle row (the
-    backward's reference; the forward's, the midpoint of the block's first and last rows, is within (BC - 1) / 2).
-    A kernel given True can drop its test of the span and its exact path. Decided from the options alone,
-    never from the data."""
+def bounded_gate(opts: KDAOptions, span, steps=BC // 2) -> bool:
+    """Whether the in-op safe gate keeps every row of gam within `span` (log2 units) of its block's reference,
+    whatever the inputs, when no row is more than `steps` steps from that reference: each step's log decay lies in
+    [lower_bound, 0] (an invalid gate element counts as 0, rows past the end too). The default is the 16-row
+    blocks around their middle rows (BC // 2 steps: the backward's reference; the forward's, the midpoint of the
+    block's first and last rows, is within (BC - 1) / 2). A kernel given True can drop its test of the span and its
+    exact path. Decided from the options alone, never from the data."""
     lb = opts.lower_bound if opts.use_gate else None
-    return lb is not None and -float(lb) * (BC // 2) * LOG2E.value <= getattr(span, "value", span)
+    return lb is not None and -float(lb) * steps * LOG2E.value <= getattr(span, "value", span)
 
 
 def tune_size(tokens, heads):

@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, L2NORM_EPS, LOG2E, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
+from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
                      chunk_bounds, chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale,
                      kd_chunk, l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
 
@@ -378,10 +378,7 @@ def diagonal_rows(opts: KDAOptions) -> int:
     SPAN_UNIT of its midpoint whatever the inputs (each step's log decay in [lower_bound, 0], at most (2 BC - 1) / 2
     steps from the midpoint: lower_bound >= -5.0 or so, 31 x 5 x log2(e) / 2 = 111.8), else its 16-row blocks (BC).
     With halves a K-block takes 4 dots instead of 6 (the split's level 32 is not needed). From the options alone."""
-    lb = opts.lower_bound if opts.use_gate else None
-    if lb is not None and opts.use_qk_l2norm and -float(lb) * (2 * BC - 1) / 2 * LOG2E.value <= SPAN_UNIT.value:
-        return 2 * BC
-    return BC
+    return 2 * BC if opts.use_qk_l2norm and bounded_gate(opts, SPAN_UNIT, (2 * BC - 1) / 2) else BC
 
 
 class IntraOut(NamedTuple):
