@@ -96,11 +96,19 @@ def test_bwd_public_op(c, with_dht):
     case(2, 200, 2, 2, 64, in_op=True, initial_state=False, dht=False),
     case(1, 331, 2, 4, 128, in_op=True, lower_bound=-5.0, seqlens=[100, 37, 1, 193]),
 ])
-def test_bwd_public_op_compiled(c, with_dht):
+def test_bwd_public_op_compiled(c, with_dht, monkeypatch):
     """The public op inside torch.compile(fullgraph=True): Inductor runs our kernels through wrap_triton's
     functional form, which replaces every argument a kernel may write by its output copy (this once turned one
     placeholder shared by several absent arguments into the chunk's gate cumsum)."""
     import kda_ops
+    from kernel_inputs import kernel_objects
+    # one config per kernel in both runs: Inductor autotunes a user kernel's configs itself
+    # (triton_heuristics.user_autotune), so it may pick another config than the eager autotuner, and a config's
+    # summation order changes the bf16 roundings (dA_log, a sum of terms that cancel, then moves by ~1e-2)
+    for obj in kernel_objects().values():
+        if hasattr(obj, "configs"):
+            monkeypatch.setattr(obj, "configs", obj.configs[:1])
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     inputs, kw, do, dht = make(c, seed=7)
     kw = dict(kw, output_final_state=with_dht)
 
@@ -113,7 +121,7 @@ def test_bwd_public_op_compiled(c, with_dht):
     dht_op = dht if with_dht else torch.zeros((), device="cuda")
     got = op_grads(fn, inputs, kw, do, dht_op)
     eager = op_grads(fn_eager, inputs, kw, do, dht_op)
-    # the same kernels with the same configs: compiled == eager up to summation order (atomics, torch-side sums)
+    # the same kernels with the same configs: compiled == eager up to the order of atomic adds and torch-side sums,
     # and the bf16 roundings that order flips
     diff = {n: rel_rms(x, eager[n]) for n, x in got.items()}
     assert all(e <= 1e-3 for e in diff.values()), f"compiled vs eager: {diff}"
