@@ -134,7 +134,9 @@ def test_lengths_are_not_specialised():
     for name, fn in kernels.items():
         lengths = [a for a in fn.arg_names if a in LENGTH_ARGS]
         assert lengths, name
-        assert set(lengths) <= set(fn.do_not_specialize), (name, lengths, fn.do_not_specialize)
+        # under TRITON_INTERPRET=1 the kernel is an InterpretedFunction, which keeps the jit arguments it was given
+        kept = fn.do_not_specialize if hasattr(fn, "do_not_specialize") else fn.kwargs.get("do_not_specialize", ())
+        assert set(lengths) <= set(kept), (name, lengths, kept)
 
 
 if __name__ == "__main__":
