@@ -7,8 +7,9 @@
 config; intra_bwd: the backward's row-block kernel at every config, also in its bounded-gate form, and its gate
 kernel.) --sass adds a line per build
 with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
-special-function MUFU, FFMA) or synchronisation (SHFL, BAR), the libdevice functions inlined into it (from the
-PTX), and the same counts for each loop of the build.
+special-function MUFU, FFMA), spills (LDL, STL), elementwise work such as masking dot outputs (FADD, FSEL), the
+tensor-core dots (HGMMA) or synchronisation (SHFL, BAR), the libdevice functions inlined into it (from the PTX),
+and the same counts for each loop of the build.
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -82,7 +83,7 @@ def sass_insts(sass):
              else None) for a, op, rest in insts]
 
 
-def sass_counts(insts, ops=('LDG', 'STG', 'LDL', 'STL', 'MUFU', 'FFMA', 'SHFL', 'BAR')):
+def sass_counts(insts, ops=('LDG', 'STG', 'LDL', 'STL', 'MUFU', 'FFMA', 'FADD', 'FSEL', 'HGMMA', 'SHFL', 'BAR')):
     """'N instructions, LDG n, ...' of sass_insts' list."""
     names = [op for _, op, _ in insts]
     return f"{len(names)} instructions, " + ", ".join(f"{op} {names.count(op)}" for op in ops)

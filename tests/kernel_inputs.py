@@ -51,3 +51,9 @@ def kernel_objects() -> dict:
                     and fn.fn.__module__ == mod.__name__:
                 found[(info.name, name)] = obj
     return found
+
+
+def launcher_modules() -> list:
+    """The modules of kda_ops.kernels that define a kernel of kernel_objects(): each launcher calls wrap_triton by
+    name, so a test that intercepts the launches patches it in each of these."""
+    return [importlib.import_module(f"kda_ops.kernels.{module}") for module in sorted({m for m, _ in kernel_objects()})]

@@ -179,11 +179,10 @@ def test_eager_call_skips_the_dispatcher(name):
     finds wrap_triton off: no higher-order-op dispatch); under a dispatch mode the same call goes through the
     op, with the same result bit for bit."""
     import contextlib
-    import importlib
     from unittest import mock
 
     import kda_ops
-    from kernel_inputs import kernel_objects
+    from kernel_inputs import launcher_modules
     from torch._library import triton as library_triton
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -210,9 +209,8 @@ def test_eager_call_skips_the_dispatcher(name):
         return wrap(kernel)
     with contextlib.ExitStack() as stack:
         prof = stack.enter_context(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]))
-        for module in {module for module, _ in kernel_objects()}:   # each launcher calls wrap_triton by name
-            stack.enter_context(mock.patch.object(importlib.import_module(f"kda_ops.kernels.{module}"),
-                                                  "wrap_triton", spy))
+        for module in launcher_modules():
+            stack.enter_context(mock.patch.object(module, "wrap_triton", spy))
         o, ht = call()
     assert not [e.name for e in prof.events() if e.name.startswith("kda_ops::")]
     assert launches and not any(launches), launches

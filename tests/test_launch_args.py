@@ -54,15 +54,12 @@ def record_launches():
 
     from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton
     from kda_ops.kernels.recurrent import recurrent_kda_triton
-    from kernel_inputs import bundles, kernel_objects
+    from kernel_inputs import bundles, kernel_objects, launcher_modules
 
-    import kda_ops.kernels as pkg
-    from kda_ops.kernels import bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu
     kernels = kernel_objects()
     names = {id(obj): name for (_, name), obj in kernels.items()}
-    for module in {module for module, _ in kernels}:
-        setattr(getattr(pkg, module), "wrap_triton", Recorder)   # each launcher module calls wrap_triton by name
-    for mod in (bwd_inter, bwd_intra, bwd_state, fwd_intra, fwd_state, fwd_wu):
+    for mod in launcher_modules():
+        mod.wrap_triton = Recorder
         if hasattr(mod, "tune_size"):
             mod.tune_size = lambda tokens, heads: SIZE_TAG + 1000 * tokens + heads
         if hasattr(mod, "tune_lanes"):
