@@ -10,7 +10,9 @@ state and output_final_state=True; in the safe_gate regime both get safe_gate=Tr
     reported (tests/test_gpu_regimes.py bounds them).
   - fused_recurrent_kda (forward only: decode at T=1, and a short varlen batch): o and the final state, as above.
 
-Their speed is a benchmark's: `python benchmarks/bench_kda.py --providers kda_ops fla fla_compat`.
+Their speed is a benchmark's: `python benchmarks/bench_kda.py --providers kda_ops fla fla_compat`. FLA runs the
+first config of each of its autotuners (gpu_compare.fla_first_configs; KDA_OPS_FLA_AUTOTUNE=1 keeps its tuning):
+its tuning compiles every config of every kernel at each new shape, minutes per test on a cold machine.
 
 Tables are printed (pytest -s):
 
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 import kda_ops
-from gpu_compare import fmt, markdown_table, run
+from gpu_compare import fla_first_configs, fmt, markdown_table, run
 from kda_case import BF16_TOL, rel_rms, stable_seed
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -152,7 +154,8 @@ def test_chunk_kda_matches_fla(regime, shape):
         vf = layout == "V-first"
         xl, dht_l = (v_first(x), dht.transpose(-1, -2).contiguous()) if vf else (x, dht)
         ours = run(call(fla_compat.chunk_kda, state_v_first=vf, **safe), xl, do, dht_l)
-        theirs = run(call(chunk_fla, state_v_first=vf, **safe), xl, do, dht_l)
+        with fla_first_configs():
+            theirs = run(call(chunk_fla, state_v_first=vf, **safe), xl, do, dht_l)
         for name in ("ht", "dh0"):
             assert ours[name].shape == theirs[name].shape == xl["initial_state"].shape, (layout, name)
         if vf:
@@ -175,7 +178,8 @@ def test_fused_recurrent_kda_matches_fla(regime, shape):
         vf = layout == "V-first"
         xl = v_first(x) if vf else x
         ours = run(call(fla_compat.fused_recurrent_kda, state_v_first=vf), xl)
-        theirs = run(call(recurrent_fla, state_v_first=vf), xl)
+        with fla_first_configs():
+            theirs = run(call(recurrent_fla, state_v_first=vf), xl)
         assert ours["ht"].shape == theirs["ht"].shape == xl["initial_state"].shape, layout
         assert ours["o"].dtype == theirs["o"].dtype, (ours["o"].dtype, theirs["o"].dtype)
         if vf:
