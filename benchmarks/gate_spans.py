@@ -1,15 +1,15 @@
 """Which path the intra-chunk kernels take, per gate regime: the share of (chunk, value head, K-block) tiles on
 the fast path.
 
-The forward and backward intra-chunk kernels choose, per K-block, between the fast factored dots and the exact
-path from the data: fast when every row's log2 decay from its 16-row block's reference stays within a span
+The forward and backward intra-chunk kernels choose, per K-block, between the fast factored dots and the exact path
+from the data: fast when every row's log2 decay from its 16-row block's reference stays within a span
 (docs/algorithm.md): in the backward the block's middle row and SPAN, in the forward the midpoint of the block's
 first and last rows and SPAN_UNIT with the in-op l2norm (which every regime here uses). This script draws the
 benchmark's inputs (kda_ops.testing.make_inputs) on the CPU, activates the gate as the op does, and counts the
 tiles that pass that test over the whole chunk (what the kernels test) at both spans and, for comparison, per
-16-row block at SPAN (a finer choice no kernel makes). The forward's exact
-path goes down the binary split and takes the diagonal pairs by one dot per operand at the first block size
-(16, 8, 4 rows, else single rows) whose test passes: the second table gives the share of tiles at each size.
+16-row block at SPAN (a finer choice no kernel makes). The forward's exact path goes down the binary split and
+takes the diagonal pairs by one dot per operand at the first block size (16, 8, 4 rows, else single rows) whose
+test passes: the second table gives the share of tiles at each size.
 No GPU needed.
 
     python benchmarks/gate_spans.py --shape 1,8192,32,128
