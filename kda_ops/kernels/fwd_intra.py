@@ -376,7 +376,7 @@ def diagonal_rows(opts: KDAOptions) -> int:
     """The rows of the diagonal blocks that the forward intra kernel takes by one factored dot per operand on its
     fast path: the chunk's 32-row halves (2 BC) when the in-op safe gate and the in-op l2norm bound every half within
     SPAN_UNIT of its midpoint whatever the inputs (each step's log decay in [lower_bound, 0], at most (2 BC - 1) / 2
-    steps from the midpoint: lower_bound >= -112 / (15.5 log2(e)) = -5.0097), else its 16-row blocks (BC).
+    steps from the midpoint: lower_bound >= -112 / (15.5 log2(e)) = -5.0085), else its 16-row blocks (BC).
     With halves a K-block takes 4 dots instead of 6 (the split's level 32 is not needed). From the options alone."""
     return 2 * BC if opts.use_qk_l2norm and bounded_gate(opts, SPAN_UNIT, (2 * BC - 1) / 2) else BC
 
