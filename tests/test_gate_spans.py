@@ -30,7 +30,7 @@ def test_one_step_past_span_sends_its_block_and_chunk_exact():
     # (rows 32-47, middle row 40) rows 41-47 are 144 from the middle; the other blocks keep a zero spread
     g = torch.zeros(1, 128, 2, 32)
     g[:, 41::64, :, 0] = -100.0
-    chunk, block = spans.fast_shares(g, 16)
+    chunk, block = spans.fast_shares(g, 16, spans.SPAN.value, "middle")
     assert chunk == pytest.approx(0.5)                # K-block 0 of each chunk is exact, K-block 1 fast
     assert block == pytest.approx((0.75 + 1.0) / 2)   # in K-block 0 only row block 2 of 4 fails
 
@@ -47,12 +47,12 @@ def test_cli_prints_every_regime():
 
 
 def test_step_between_the_two_spans():
-    # one step of 55 nats (79 in log2) at row 41 of every chunk, channel 0: past SPAN = 60 (the backward's test),
-    # within SPAN_UNIT = 112 (the forward's with the in-op l2norm)
+    # one step of 55 nats (79 in log2) at row 41 of every chunk, channel 0: past SPAN = 60 (without the l2norm),
+    # within SPAN_UNIT = 112 (with the in-op l2norm)
     g = torch.zeros(1, 128, 2, 32)
     g[:, 41::64, :, 0] = -55.0
-    assert spans.fast_shares(g, 16)[0] == pytest.approx(0.5)
-    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value) == (1.0, 1.0)
+    assert spans.fast_shares(g, 16, spans.SPAN.value, "middle")[0] == pytest.approx(0.5)
+    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value, "middle") == (1.0, 1.0)
     assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value, "midpoint") == (1.0, 1.0)
 
 
@@ -61,8 +61,8 @@ def test_midpoint_halves_the_spread():
     # the midpoint of rows 32 and 47 is 87 from every row of the block, within it
     g = torch.zeros(1, 128, 2, 32)
     g[:, 41::64, :, 0] = -120.0
-    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value)[0] == pytest.approx(0.5)
-    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value, "midpoint") == (1.0, 1.0)
+    assert spans.fast_shares(g, 16, spans.SPAN_UNIT.value, "middle")[0] == pytest.approx(0.5)
+    assert spans.fast_shares(g, 16) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("row, tiers", [(40, (0.5, 0.5, 0.0, 0.0)), (44, (0.5, 0.0, 0.5, 0.0)),

@@ -46,10 +46,19 @@ def cases():
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=f32),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), dtype=torch.bfloat16),
         Case(B=1, T=100, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(3.0, 3.5), l2norm=False, dtype=f32),
+        # A_log in [1.5, 2]: most 16-row blocks span between SPAN and SPAN_UNIT of their midpoint (the fast path
+        # with the in-op l2norm), the rest more (benchmarks/gate_spans.py's spreads)
+        Case(B=1, T=128, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(1.5, 2.0), dtype=f32),
+        Case(B=1, T=128, H=1, HV=2, K=40, V=16, in_op=True, a_log_range=(1.5, 2.0), dtype=torch.bfloat16),
     ]
 
 
-def run_case(case, seed=0, with_dht=True):
+# (case index, seed, with dht, scale of do and dht): extra runs of cases() above. Gradients of 2^70 leave the
+# wide-span blocks' fast path no room below fp32's range (bwd_intra's test of the pair weights): exact path
+EXTRA = [(3, 3, False, 1.0), (-2, 0, True, 2.0 ** 70)]
+
+
+def run_case(case, seed=0, with_dht=True, scale=1.0):
     """Returns ({grad name: relative RMS error} (names missing on either side -> 'missing'), whether the
     backward with the forward's saved (Aqk, Tm) gave bitwise the same gradients) for one case."""
     import torch
@@ -64,8 +73,8 @@ def run_case(case, seed=0, with_dht=True):
     HV, V = v.shape[-2:]
     N = len(case.seqlens) if case.seqlens else B
     gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(v.dtype)
-    dht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64).float()
+    do = (scale * torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)).to(v.dtype)
+    dht = (scale * torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)).float()
     ref = reference_grads(inputs, kw, do, dht if with_dht else torch.zeros_like(dht))
     from kda_ops.kernels import chunk_index
     from kernel_inputs import bundles
@@ -98,7 +107,7 @@ def test_kernels_bwd_interpreter():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(cases()) + 1, proc.stdout
+    assert len(results) == len(cases()) + len(EXTRA), proc.stdout
     bad = [f"{r['id']}: the backward with the saved (Aqk, Tm) differs" for r in results if not r["saved_equal"]]
     for r in results:
         tol = TOL if "float32" in r["id"] else {n: TOL_BF16 for n in GRADS}
@@ -116,6 +125,8 @@ if __name__ == "__main__":
     for c in cases():
         errs, same = run_case(c)
         print(json.dumps(dict(id=c.id, errs=errs, saved_equal=same)), flush=True)
-    c = cases()[3]
-    errs, same = run_case(c, seed=3, with_dht=False)
-    print(json.dumps(dict(id=c.id + "-nodht", errs=errs, saved_equal=same)), flush=True)
+    for i, seed, with_dht, scale in EXTRA:
+        c = cases()[i]
+        errs, same = run_case(c, seed, with_dht, scale)
+        tag = ("" if with_dht else "-nodht") + ("" if scale == 1.0 else f"-x{scale:g}")
+        print(json.dumps(dict(id=c.id + tag, errs=errs, saved_equal=same)), flush=True)

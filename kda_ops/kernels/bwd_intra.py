@@ -16,17 +16,19 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
    around a reference row of block r: row direction over the blocks c <= r (P and dM rows r0..r0+15, columns
    of block c), column direction over the blocks c >= r (P and dM rows of block c, columns r0..r0+15, loaded
    transposed: element (a, b) = P[c0 + b, r0 + a]). Per K-block one of two cases, chosen in the kernel from
-   the data (no host sync), with the forward's test (over the whole chunk; fwd_intra.py) at common.SPAN (the
-   forward takes the wider common.SPAN_UNIT with the in-op l2norm, its rows normalised before the dots):
-   * fast (|gam_i - gam_m(i)| <= SPAN for every row i, m(i) the middle row of i's block): reference = the
-     middle row m of block r, and the dots cover the diagonal block c = r too: row side exp2(gam_i - gam_m),
-     column side exp2(gam_m - gam_j), the factor on the side of block r in [2^-SPAN, 2^SPAN], the other one
-     <= 1;
-   * exact (a block spans more than SPAN, e.g. strong decay without lower_bound): the dots cover the earlier
+   the data (no host sync), by a test on block r's own rows at a span s (common.SPAN, or the wider
+   common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, as in the forward's test,
+   fwd_intra.py, which tests the four blocks at once):
+   * fast (|gam_i - c| <= s for every row i of block r, c the midpoint of its first and last rows' gam, and
+     s + log2 max(|P|, 2 |dM|) <= 122 over the diagonal block, so that no dot overflows): reference = c, and
+     the dots cover the diagonal block r too: row side exp2(gam_i - c), column side exp2(c - gam_j), the
+     factor on the side of block r in [2^-s, 2^s], the other one <= 1 (so the other blocks' spans do not
+     matter);
+   * exact (block r spans more than s, e.g. strong decay without lower_bound): the dots cover the earlier
      blocks only, factored around block r's first row (row direction), and the later blocks only, factored
      around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is done
-     first, exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step s pairs each row of the
-     block with the block's s-th row), and added to dq, dk and dGam on its own (exact_diagonal): a second
+     first, exactly per token pair, elementwise on [16, BK] tiles in 16 steps (step u pairs each row of the
+     block with the block's u-th row), and added to dq, dk and dGam on its own (exact_diagonal): a second
      read-modify-write of block r's rows, in place of converting each step's terms into the dots' layout.
    With the in-op safe gate (common.bounded_gate) no block can span more than SPAN: the kernel is built
    without the test and the exact case (BOUNDED), which takes it from 168 to 80 registers at BK 32 / 4 warps.
@@ -45,8 +47,8 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, bounded_gate, chunk_bounds, dot_precision,
-                     length_jit, load_rows, tf32_round, tune_size)
+from .common import (BC, BT, ChunkIndex, SPAN, SPAN_UNIT, absent, autotune_configs, bounded_gate, chunk_bounds,
+                     dot_precision, length_jit, load_rows, tf32_round, tune_size)
 
 
 @triton.autotune(
@@ -61,6 +63,7 @@ from .common import (BC, BT, ChunkIndex, SPAN, absent, autotune_configs, bounded
         triton.Config({"BK": 128}, num_warps=8, num_stages=1),
         triton.Config({"BK": 64}, num_warps=4, num_stages=1),
         triton.Config({"BK": 16}, num_warps=4, num_stages=1, maxnreg=168),
+        triton.Config({"BK": 32}, num_warps=4, num_stages=1, maxnreg=168),
     ]),
     key=["K", "PREC", "TUNE_SIZE", "BOUNDED"],
     restore_value=["dq", "dk", "dgam"],
@@ -102,48 +105,60 @@ def chunk_kda_bwd_kernel_intra(
     dbeta += t0 * HV + i_hv
     dbeta_p += t0 * HV + i_hv
 
-    o_t = tl.arange(0, BT)          # position in the chunk
-    m_t = o_t < Tc
     o_c = tl.arange(0, BC)
     o_i = r0 + o_c                  # the rows of block r
     m_i = o_i < Tc
     NC = tl.cdiv(Tc, BC)
-    # the test's reference rows: the middle row of each row's block; block r's references (scalars)
-    o_m = tl.minimum((o_t // BC) * BC + BC // 2, Tc - 1)
-    rm = tl.minimum(r0 + BC // 2, Tc - 1)
+    # block r's last row (scalar): with its first row r0 the exact path's references and the fast path's midpoint
     rl = tl.minimum(r0 + BC - 1, Tc - 1)
     # [BC]
     b_bi = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
     b_db = tl.zeros([BC], dtype=tl.float32)
+    if USE_L2NORM:   # q and k enter the dots normalised (|q_i|, |k_i| <= 1)
+        span = SPAN_UNIT
+    else:
+        span = SPAN
+    if not BOUNDED:
+        # the largest pair weight of the diagonal block, max(|P|, 2 |dM|) (beta <= 2): with the own-block factors
+        # up to 2^s, a dot over the block's 16 columns stays below 2^126 when s + log2 of it <= 122 (non-finite
+        # or huge gradients take the exact path)
+        p_d = o_i[:, None] * sa + (r0 + o_c)[None, :]
+        m_d = m_i[:, None] & ((r0 + o_c)[None, :] <= o_i[:, None])
+        b_w = tl.maximum(tl.max(tl.max(tl.abs(tl.load(dAqk + p_d, mask=m_d, other=0.0)), axis=1), axis=0),
+                         2.0 * tl.max(tl.max(tl.abs(tl.load(dM + p_d, mask=m_d, other=0.0)), axis=1), axis=0))
+        lim = tl.minimum(span, 122.0 - tl.log2(b_w))
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = o_i[:, None] * sg + o_k[None, :]
-        if BOUNDED:
+        # [BK] block r's references: a for the row direction, b for the column direction
+        if BOUNDED:     # its middle row (within SPAN of every row of the block: common.bounded_gate)
             fast = True
+            b_ga = tl.load(gam + tl.minimum(r0 + BC // 2, Tc - 1) * sg + o_k, mask=m_k, other=0.0)
+            b_gb = b_ga
         else:
-            # the test: largest |gam_i - gam_m(i)| in this K-block over the chunk (rows past Tc give zero)
-            b_span = tl.max(tl.max(tl.abs(tl.load(gam + o_t[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0) -
-                                          tl.load(gam + o_m[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)),
-                                   axis=1), axis=0)
-            fast = b_span <= SPAN
-        # [BK] gam at block r's reference rows: a for the row direction, b for the column direction
-        b_ga = tl.load(gam + tl.where(fast, rm, r0) * sg + o_k, mask=m_k, other=0.0)
-        b_gb = tl.load(gam + tl.where(fast, rm, rl) * sg + o_k, mask=m_k, other=0.0)
+            # the test: largest |gam_i - c| over the rows i of block r in this K-block, c the midpoint of its first
+            # and last rows (rows past Tc give zero); only block r's own factors depend on it (the others are <= 1)
+            b_g0 = tl.load(gam + r0 * sg + o_k, mask=m_k, other=0.0)
+            b_gl = tl.load(gam + rl * sg + o_k, mask=m_k, other=0.0)
+            b_c = 0.5 * (b_g0 + b_gl)
+            b_d = tl.load(gam + p_ik, mask=m_ik, other=0.0) - b_c[None, :]
+            fast = tl.max(tl.max(tl.where(m_ik, tl.abs(b_d), 0.0), axis=1), axis=0) <= lim
+            b_ga = tl.where(fast, b_c, b_g0)
+            b_gb = tl.where(fast, b_c, b_gl)
         # [BC, BK] accumulators, before the factors of block r's own rows
         b_dqa = tl.zeros([BC, BK], dtype=tl.float32)
         b_x = tl.zeros([BC, BK], dtype=tl.float32)
         b_dka = tl.zeros([BC, BK], dtype=tl.float32)
         # row direction (rows i of block r): the column blocks j < r (+ block r itself when fast), column
-        # factors exp2(gam_a - gam_j) clamped at <= 0 for the earlier blocks, at <= SPAN in block r
+        # factors exp2(gam_a - gam_j) clamped at <= 0 for the earlier blocks, at <= s in block r
         for i_j in range(0, i_r + tl.where(fast, 1, 0)):
             o_j = i_j * BC + o_c
             m_j = o_j < Tc
             b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
             b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM)
-            b_kj = tf32_round(b_kj * tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, SPAN))), PREC)
+            b_kj = tf32_round(b_kj * tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, span))), PREC)
             # [BC, BC] P[i, j] (j <= i) and dM[i, j] (j < i)
             p_a = o_i[:, None] * sa + o_j[None, :]
             b_p = tl.load(dAqk + p_a, mask=m_i[:, None] & (o_j[None, :] <= o_i[:, None]), other=0.0)
@@ -152,12 +167,12 @@ def chunk_kda_bwd_kernel_intra(
             b_dqa += tl.dot(b_p, b_kj, input_precision=PREC)
             b_x += tl.dot(b_m, b_kj, input_precision=PREC)
         # column direction (columns j of block r): the row blocks i > r (+ block r itself when fast), row
-        # factors exp2(gam_i - gam_b) clamped at <= SPAN in block r, at <= 0 for the later blocks
+        # factors exp2(gam_i - gam_b) clamped at <= s in block r, at <= 0 for the later blocks
         for i_j in range(i_r + tl.where(fast, 0, 1), NC):
             o_j = i_j * BC + o_c
             m_j = o_j < Tc
             b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
-            b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, SPAN)))
+            b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, span)))
             b_qj = tf32_round(load_rows(q, rq, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * b_ej, PREC)
             b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0.0).to(tl.float32)
             b_kj = tf32_round(load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * (b_bj[:, None] * b_ej), PREC)
@@ -169,10 +184,10 @@ def chunk_kda_bwd_kernel_intra(
             b_dka += tl.dot(b_p, b_qj, input_precision=PREC)
             b_dka += tl.dot(b_m, b_kj, input_precision=PREC)
         # [BC, BK] the own-block factors exp2(gam_i - gam_a) (row side) and exp2(gam_b - gam_j) (column side):
-        # in [2^-SPAN, 2^SPAN] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
+        # in [2^-s, 2^s] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
         b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
-        b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], SPAN))
-        b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN))
+        b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], span))
+        b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, span))
         b_corr = tl.zeros([BC, BK], dtype=tl.float32)
         if PREC == "tf32" and fast:
             # dGam's pair terms: q_i ea dq_a + beta_i k_i ea X - k_i eb dk_a. Each multiplier is replaced by the
