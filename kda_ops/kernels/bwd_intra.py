@@ -20,7 +20,8 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
    common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, as in the forward's test,
    fwd_intra.py, which tests the four blocks at once):
    * fast (|gam_i - c| <= s for every row i of block r, c the midpoint of its first and last rows' gam, and
-     s + log2 max(|P|, 2 |dM|) <= 122 over the diagonal block, so that no dot overflows): reference = c, and
+     past SPAN s + log2 max(|P|, 2 |dM|) <= 122 over the diagonal block, so that no dot overflows; within SPAN
+     any gradient below 2^62 fits): reference = c, and
      the dots cover the diagonal block r too: row side exp2(gam_i - c), column side exp2(c - gam_j), the
      factor on the side of block r in [2^-s, 2^s], the other one <= 1 (so the other blocks' spans do not
      matter);
@@ -114,19 +115,6 @@ def chunk_kda_bwd_kernel_intra(
     # [BC]
     b_bi = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
     b_db = tl.zeros([BC], dtype=tl.float32)
-    if USE_L2NORM:   # q and k enter the dots normalised (|q_i|, |k_i| <= 1)
-        span = SPAN_UNIT
-    else:
-        span = SPAN
-    if not BOUNDED:
-        # the largest pair weight of the diagonal block, max(|P|, 2 |dM|) (beta <= 2): with the own-block factors
-        # up to 2^s, a dot over the block's 16 columns stays below 2^126 when s + log2 of it <= 122 (non-finite
-        # or huge gradients take the exact path)
-        p_d = o_i[:, None] * sa + (r0 + o_c)[None, :]
-        m_d = m_i[:, None] & ((r0 + o_c)[None, :] <= o_i[:, None])
-        b_w = tl.maximum(tl.max(tl.max(tl.abs(tl.load(dAqk + p_d, mask=m_d, other=0.0)), axis=1), axis=0),
-                         2.0 * tl.max(tl.max(tl.abs(tl.load(dM + p_d, mask=m_d, other=0.0)), axis=1), axis=0))
-        lim = tl.minimum(span, 122.0 - tl.log2(b_w))
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -144,7 +132,19 @@ def chunk_kda_bwd_kernel_intra(
             b_gl = tl.load(gam + rl * sg + o_k, mask=m_k, other=0.0)
             b_c = 0.5 * (b_g0 + b_gl)
             b_d = tl.load(gam + p_ik, mask=m_ik, other=0.0) - b_c[None, :]
-            fast = tl.max(tl.max(tl.where(m_ik, tl.abs(b_d), 0.0), axis=1), axis=0) <= lim
+            b_s = tl.max(tl.max(tl.where(m_ik, tl.abs(b_d), 0.0), axis=1), axis=0)
+            fast = b_s <= SPAN
+            if USE_L2NORM:
+                # q and k enter the dots normalised (|q_i|, |k_i| <= 1): up to SPAN_UNIT, where the diagonal
+                # block's largest pair weight w = max(|P|, 2 |dM|) (beta <= 2) leaves room: a dot over its 16
+                # columns stays below 2^126 when s + log2 w <= 122 (non-finite or huge gradients take the exact
+                # path). Only read where SPAN is passed.
+                if (b_s > SPAN) & (b_s <= SPAN_UNIT):
+                    p_d = o_i[:, None] * sa + (r0 + o_c)[None, :]
+                    m_d = m_i[:, None] & ((r0 + o_c)[None, :] <= o_i[:, None])
+                    b_w = tl.maximum(tl.max(tl.abs(tl.load(dAqk + p_d, mask=m_d, other=0.0))),
+                                     2.0 * tl.max(tl.abs(tl.load(dM + p_d, mask=m_d, other=0.0))))
+                    fast = b_s + tl.log2(b_w) <= 122.0
             b_ga = tl.where(fast, b_c, b_g0)
             b_gb = tl.where(fast, b_c, b_gl)
         # [BC, BK] accumulators, before the factors of block r's own rows
@@ -158,7 +158,8 @@ def chunk_kda_bwd_kernel_intra(
             m_j = o_j < Tc
             b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
             b_kj = load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM)
-            b_kj = tf32_round(b_kj * tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, span))), PREC)
+            b_kj = tf32_round(b_kj * tl.exp2(tl.minimum(b_ga[None, :] - b_gj, tl.where(i_j < i_r, 0.0, SPAN_UNIT))),
+                              PREC)
             # [BC, BC] P[i, j] (j <= i) and dM[i, j] (j < i)
             p_a = o_i[:, None] * sa + o_j[None, :]
             b_p = tl.load(dAqk + p_a, mask=m_i[:, None] & (o_j[None, :] <= o_i[:, None]), other=0.0)
@@ -172,7 +173,7 @@ def chunk_kda_bwd_kernel_intra(
             o_j = i_j * BC + o_c
             m_j = o_j < Tc
             b_gj = tl.load(gam + o_j[:, None] * sg + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
-            b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, span)))
+            b_ej = tl.exp2(tl.minimum(b_gj - b_gb[None, :], tl.where(i_j > i_r, 0.0, SPAN_UNIT)))
             b_qj = tf32_round(load_rows(q, rq, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * b_ej, PREC)
             b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0.0).to(tl.float32)
             b_kj = tf32_round(load_rows(k, rk, o_j, m_j, o_k, m_k, sq, H, USE_L2NORM) * (b_bj[:, None] * b_ej), PREC)
@@ -186,8 +187,8 @@ def chunk_kda_bwd_kernel_intra(
         # [BC, BK] the own-block factors exp2(gam_i - gam_a) (row side) and exp2(gam_b - gam_j) (column side):
         # in [2^-s, 2^s] when fast, <= 1 otherwise (the clamp only keeps rows past Tc finite)
         b_gi = tl.load(gam + p_ik, mask=m_ik, other=0.0)
-        b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], span))
-        b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, span))
+        b_ea = tl.exp2(tl.minimum(b_gi - b_ga[None, :], SPAN_UNIT))
+        b_eb = tl.exp2(tl.minimum(b_gb[None, :] - b_gi, SPAN_UNIT))
         b_corr = tl.zeros([BC, BK], dtype=tl.float32)
         if PREC == "tf32" and fast:
             # dGam's pair terms: q_i ea dq_a + beta_i k_i ea X - k_i eb dk_a. Each multiplier is replaced by the
