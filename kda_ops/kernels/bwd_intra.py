@@ -32,7 +32,7 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
      block with the block's u-th row), and added to dq, dk and dGam on its own (exact_diagonal): a second
      read-modify-write of block r's rows, in place of converting each step's terms into the dots' layout.
    With the in-op safe gate (common.bounded_gate) no block can span more than SPAN: the kernel is built
-   without the test and the exact case (BOUNDED), which takes it from 168 to 80 registers at BK 32 / 4 warps.
+   without the test and the exact case (BOUNDED), which takes it from 188 to 80 registers at BK 32 / 4 warps.
    It completes dq and dk of its rows in place, writes its rows' dGam (bwd_inter's dgam plus the terms above)
    over the dgam buffer, and writes its rows' dbeta (<k_i, X_i> summed over K-blocks, plus bwd_inter's, through
    the beta chain rule).
@@ -56,15 +56,13 @@ from .common import (BC, BT, ChunkIndex, SPAN, SPAN_UNIT, absent, autotune_confi
     configs=autotune_configs([
         # the first one (the interpreter's) fits every K up to 256 and fp32 inputs
         # registers at K = 128, bf16 inputs, sm_90, Triton 3.6 (benchmarks/compile_sm90.py intra_bwd), in order:
-        # 168 with a 16-byte spill (three programs per SM); 128 capped with a 16-byte spill outside the loops
-        # (one K-block: two programs of 8 warps; 280 bytes at K = 256, hence the uncapped twin); 154 (255 at
-        # K = 256); 255; 160 (capped at 168, else 229)
+        # 188 (two programs per SM); 128 capped (one K-block: two programs of 8 warps; a 192-byte spill at
+        # K = 256, hence the uncapped twin); 148 (255 at K = 256); 254; 165 (capped at 168, else 229)
         triton.Config({"BK": 32}, num_warps=4, num_stages=1),
         triton.Config({"BK": 128}, num_warps=8, num_stages=1, maxnreg=128),
         triton.Config({"BK": 128}, num_warps=8, num_stages=1),
         triton.Config({"BK": 64}, num_warps=4, num_stages=1),
         triton.Config({"BK": 16}, num_warps=4, num_stages=1, maxnreg=168),
-        triton.Config({"BK": 32}, num_warps=4, num_stages=1, maxnreg=168),
     ]),
     key=["K", "PREC", "TUNE_SIZE", "BOUNDED"],
     restore_value=["dq", "dk", "dgam"],
