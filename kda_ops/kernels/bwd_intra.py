@@ -21,10 +21,9 @@ chunk_kda_bwd_kernel_intra, one program per (chunk, 16-row block r, value head):
    fwd_intra.py, which tests the four blocks at once):
    * fast (|gam_i - c| <= s for every row i of block r, c the midpoint of its first and last rows' gam, and
      past SPAN s + log2 max(|P|, 2 |dM|) <= 122 over the diagonal block, so that no dot overflows; within SPAN
-     any gradient below 2^62 fits): reference = c, and
-     the dots cover the diagonal block r too: row side exp2(gam_i - c), column side exp2(c - gam_j), the
-     factor on the side of block r in [2^-s, 2^s], the other one <= 1 (so the other blocks' spans do not
-     matter);
+     any gradient below 2^62 fits): reference = c, and the dots cover the diagonal block r too: row side
+     exp2(gam_i - c), column side exp2(c - gam_j), the factor on the side of block r in [2^-s, 2^s], the other
+     one <= 1 (so the other blocks' spans do not matter);
    * exact (block r spans more than s, e.g. strong decay without lower_bound): the dots cover the earlier
      blocks only, factored around block r's first row (row direction), and the later blocks only, factored
      around its last row (column direction), so both factors are <= 1; the diagonal 16x16 block r is done
@@ -150,7 +149,7 @@ def chunk_kda_bwd_kernel_intra(
         b_x = tl.zeros([BC, BK], dtype=tl.float32)
         b_dka = tl.zeros([BC, BK], dtype=tl.float32)
         # row direction (rows i of block r): the column blocks j < r (+ block r itself when fast), column
-        # factors exp2(gam_a - gam_j) clamped at <= 0 for the earlier blocks, at <= s in block r
+        # factors exp2(gam_a - gam_j) clamped at <= 0 for the earlier blocks, in block r at SPAN_UNIT (>= s)
         for i_j in range(0, i_r + tl.where(fast, 1, 0)):
             o_j = i_j * BC + o_c
             m_j = o_j < Tc
@@ -166,7 +165,7 @@ def chunk_kda_bwd_kernel_intra(
             b_dqa += tl.dot(b_p, b_kj, input_precision=PREC)
             b_x += tl.dot(b_m, b_kj, input_precision=PREC)
         # column direction (columns j of block r): the row blocks i > r (+ block r itself when fast), row
-        # factors exp2(gam_i - gam_b) clamped at <= s in block r, at <= 0 for the later blocks
+        # factors exp2(gam_i - gam_b) clamped in block r at SPAN_UNIT (>= s), at <= 0 for the later blocks
         for i_j in range(i_r + tl.where(fast, 0, 1), NC):
             o_j = i_j * BC + o_c
             m_j = o_j < Tc
