@@ -6,7 +6,7 @@ RMS error ||a - b|| / ||b|| of each gradient of kda_ops.kernels.chunk_kda_bwd_tr
 forward with the forward stages) against autograd through kda_ops.reference.naive_recurrent_kda in float64,
 and that the backward given the forward's (Aqk, Tm) (what the op keeps) returns exactly the same gradients.
 
-    python -m pytest tests/test_kernels_bwd.py            # the CI test (< 1 min on 2 cores)
+    python -m pytest tests/test_kernels_bwd.py            # the CI test (about 1.5 min on 2 cores)
     TRITON_INTERPRET=1 python tests/test_kernels_bwd.py   # the same cases, one JSON line each
 """
 from __future__ import annotations
