@@ -10,6 +10,11 @@ forward kernels,
         python benchmarks/kernel_times.py --mode fwd --shape 1,8192,32,128 --providers kda_ops --ncu
     ncu -i fwd.ncu-rep --page source --csv --print-source sass -k regex:intra > intra.csv
 
+With --pin KERNEL=CONFIG [...] each named kda_ops kernel runs at that one config, named as tune_sweep.py names
+configs, whether or not its autotuner lists it; e.g. the forward intra kernel at 8 warps capped at 128 registers:
+
+    python benchmarks/kernel_times.py --mode fwd --regime strong --providers kda_ops --pin fwd_intra=BK16,w8,s1,r128
+
 Each provider is warmed up (autotuning done), then ITERS calls are profiled and every kernel's device time is
 divided by ITERS: a kernel launched twice per call (e.g. a forward stage rerun by the backward) shows its sum.
 Also printed: the host time of a call (bench_kda.host_ms); when it exceeds the kernels' sum the call is bound
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -30,6 +36,28 @@ from kda_ops.testing import REGIMES  # noqa: E402
 ITERS = 10
 
 
+def parse_pin(spec: str):
+    """'KERNEL=CONFIG' (KERNEL a key of tune_sweep.TUNED, CONFIG as tune_sweep.config_name writes it, e.g.
+    fwd_intra=BK16,w8,s1,r128) -> (the autotuned kernel, the triton.Config)."""
+    import triton
+    from tune_sweep import TUNED
+    name, _, cfg = spec.partition("=")
+    if name not in TUNED:
+        raise SystemExit(f"--pin {spec}: the kernel must be one of {sorted(TUNED)}")
+    kwargs, opts = {}, {}
+    for tok in cfg.split(","):
+        m = re.fullmatch(r"([A-Za-z_]+?)(\d+)", tok)
+        if m is None:
+            raise SystemExit(f"--pin {spec}: {tok!r} is not NAME<integer>")
+        key, val = m.group(1), int(m.group(2))
+        if key in ("w", "s", "r"):
+            opts[{"w": "num_warps", "s": "num_stages", "r": "maxnreg"}[key]] = val
+        else:
+            kwargs[key] = val
+    module, attr = TUNED[name]
+    return getattr(module, attr), triton.Config(kwargs, **opts)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
@@ -37,7 +65,12 @@ def main():
     ap.add_argument("--regime", choices=REGIMES, default="weak")
     ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
     ap.add_argument("--ncu", action="store_true", help="one profiled call per provider (for ncu), no timing")
+    ap.add_argument("--pin", nargs="+", default=[], metavar="KERNEL=CONFIG",
+                    help="run a kda_ops kernel at one config, e.g. fwd_intra=BK16,w8,s1,r128")
     a = ap.parse_args()
+    for spec in a.pin:
+        kernel, config = parse_pin(spec)
+        kernel.configs = [config]
     B, T, H, D = a.shape
     backward = a.mode == "fwdbwd"
     for name in a.providers:
