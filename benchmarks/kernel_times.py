@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 import torch
@@ -39,23 +38,16 @@ ITERS = 10
 def parse_pin(spec: str):
     """'KERNEL=CONFIG' (KERNEL a key of tune_sweep.TUNED, CONFIG as tune_sweep.config_name writes it, e.g.
     fwd_intra=BK16,w8,s1,r128) -> (the autotuned kernel, the triton.Config)."""
-    import triton
-    from tune_sweep import TUNED
+    from tune_sweep import TUNED, parse_config_name
     name, _, cfg = spec.partition("=")
     if name not in TUNED:
         raise SystemExit(f"--pin {spec}: the kernel must be one of {sorted(TUNED)}")
-    kwargs, opts = {}, {}
-    for tok in cfg.split(","):
-        m = re.fullmatch(r"([A-Za-z_]+?)(\d+)", tok)
-        if m is None:
-            raise SystemExit(f"--pin {spec}: {tok!r} is not NAME<integer>")
-        key, val = m.group(1), int(m.group(2))
-        if key in ("w", "s", "r"):
-            opts[{"w": "num_warps", "s": "num_stages", "r": "maxnreg"}[key]] = val
-        else:
-            kwargs[key] = val
+    try:
+        config = parse_config_name(cfg)
+    except ValueError as e:
+        raise SystemExit(f"--pin {spec}: {e}")
     module, attr = TUNED[name]
-    return getattr(module, attr), triton.Config(kwargs, **opts)
+    return getattr(module, attr), config
 
 
 def main():

@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 
 import torch
@@ -42,6 +43,22 @@ SHAPES = [(1, 512, 32), (1, 1024, 32), (1, 2048, 32), (1, 4096, 32), (1, 8192, 3
 def config_name(c) -> str:
     cap = f",r{c.maxnreg}" if getattr(c, "maxnreg", None) else ""
     return ",".join(f"{k}{v}" for k, v in c.kwargs.items()) + f",w{c.num_warps},s{c.num_stages}" + cap
+
+
+def parse_config_name(name: str):
+    """The triton.Config that config_name writes as `name` (e.g. BK16,w8,s1,r128); ValueError if malformed."""
+    import triton
+    kwargs, opts = {}, {}
+    for tok in name.split(","):
+        m = re.fullmatch(r"([A-Za-z_]+?)(\d+)", tok)
+        if m is None:
+            raise ValueError(f"{tok!r} is not NAME<integer>")
+        key, val = m.group(1), int(m.group(2))
+        if key in ("w", "s", "r"):
+            opts[{"w": "num_warps", "s": "num_stages", "r": "maxnreg"}[key]] = val
+        else:
+            kwargs[key] = val
+    return triton.Config(kwargs, **opts)
 
 
 def sweep(shapes, regimes, D):
