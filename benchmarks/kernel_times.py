@@ -35,9 +35,10 @@ from kda_ops.testing import REGIMES  # noqa: E402
 ITERS = 10
 
 
-def parse_pin(spec: str):
-    """'KERNEL=CONFIG' (KERNEL a key of tune_sweep.TUNED, CONFIG as tune_sweep.config_name writes it, e.g.
-    fwd_intra=BK16,w8,s1,r128) -> (the autotuned kernel, the triton.Config)."""
+def pin(spec: str):
+    """Pins a kernel to one config: 'KERNEL=CONFIG' (KERNEL a key of tune_sweep.TUNED, CONFIG as
+    tune_sweep.config_name writes it, e.g. fwd_intra=BK16,w8,s1,r128) makes that config the autotuned kernel's only
+    one. Returns (the autotuned kernel, the triton.Config)."""
     from tune_sweep import TUNED, parse_config_name
     name, _, cfg = spec.partition("=")
     if name not in TUNED:
@@ -47,7 +48,9 @@ def parse_pin(spec: str):
     except ValueError as e:
         raise SystemExit(f"--pin {spec}: {e}")
     module, attr = TUNED[name]
-    return getattr(module, attr), config
+    kernel = getattr(module, attr)
+    kernel.configs = [config]
+    return kernel, config
 
 
 def main():
@@ -61,8 +64,7 @@ def main():
                     help="run a kda_ops kernel at one config, e.g. fwd_intra=BK16,w8,s1,r128")
     a = ap.parse_args()
     for spec in a.pin:
-        kernel, config = parse_pin(spec)
-        kernel.configs = [config]
+        pin(spec)
     B, T, H, D = a.shape
     backward = a.mode == "fwdbwd"
     for name in a.providers:

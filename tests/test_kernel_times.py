@@ -1,4 +1,5 @@
-"""benchmarks/kernel_times.py's --pin: a config named as tune_sweep.py names it, parsed back (CPU)."""
+"""benchmarks/kernel_times.py's --pin: a config named as tune_sweep.py names it, parsed back and made the kernel's only
+config (CPU)."""
 import importlib.util
 import os
 import sys
@@ -17,16 +18,17 @@ def load(name):
 
 
 @pytest.mark.parametrize("spec", ["fwd_intra=BK16,w8,s1,r128", "fwd_state=BV64,w8,s3", "bwd_intra=BK128,w8,s1"])
-def test_pin_round_trips_config_names(spec):
+def test_pin_round_trips_config_names(spec, monkeypatch):
     times, sweep = load("kernel_times"), load("tune_sweep")
-    kernel, config = times.parse_pin(spec)
-    name = spec.partition("=")[0]
-    module, attr = sweep.TUNED[name]
+    module, attr = sweep.TUNED[spec.partition("=")[0]]
+    monkeypatch.setattr(getattr(module, attr), "configs", getattr(module, attr).configs)    # restored after
+    kernel, config = times.pin(spec)
     assert kernel is getattr(module, attr)
+    assert kernel.configs == [config]
     assert sweep.config_name(config) == spec.partition("=")[2]
 
 
 @pytest.mark.parametrize("spec", ["nope=BK16,w4,s1", "fwd_intra=BK16,warps", "fwd_intra=BK16,w4,1"])
 def test_pin_rejects_bad_specs(spec):
     with pytest.raises(SystemExit):
-        load("kernel_times").parse_pin(spec)
+        load("kernel_times").pin(spec)
