@@ -1,6 +1,6 @@
 """Offline sm_90 (H100 / H200) compile of the chunk kernels, no GPU needed: registers, spills, shared memory.
 
-    python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd] [--sass]
+    python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd] [--sass] [--paths]
     PYTHONPATH=<site-packages with another triton> python benchmarks/compile_sm90.py ...
 
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
@@ -9,7 +9,9 @@ kernel.) --sass adds a line per build
 with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
 special-function MUFU, FFMA), spills (LDL, STL), elementwise work such as masking dot outputs (FADD, FSEL), the
 tensor-core dots (HGMMA) or synchronisation (SHFL, BAR), the libdevice functions inlined into it (from the PTX),
-and the same counts for each loop of the build.
+and the same counts for each loop of the build. --paths (with --sass) adds, under each loop, the instruction and
+HGMMA counts of the paths through one iteration (sass_paths): a loop whose body branches on the data, such as the
+forward intra kernel's K loop (fast path, exact path), shows one count per path.
 
 Use the Triton version of the GPU machine (3.6.0 there) for numbers that match it. Pointer arguments get
 tt.divisibility = 16 as the JIT gives them at run time (without it every load is scalar and the report
@@ -37,7 +39,7 @@ from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_
 from kda_ops.kernels.fwd_state import chunk_kda_fwd_kernel_state  # noqa: E402
 from kda_ops.kernels.fwd_wu import chunk_kda_fwd_kernel_wu  # noqa: E402
 
-OUT = tempfile.mkdtemp(prefix="kda_sm90_")
+OUT = None   # the folder of the cubins, made at the first build
 target = GPUTarget("cuda", 90, 32)
 cuobj = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump')
 
@@ -55,16 +57,23 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
                                         **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     except Exception as e:
         print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:2000]}"); return
+    global OUT
+    OUT = OUT or tempfile.mkdtemp(prefix="kda_sm90_")
     path = os.path.join(OUT, f'{tag}.cubin')
     open(path, 'wb').write(k.asm['cubin'])
     out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
     print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
     if SASS:
-        insts = sass_insts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)
+        listing = subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout
+        insts = sass_insts(listing)
         print(f"    sass {sass_counts(insts)}; {libdevice_calls(k.asm['ptx'])}", flush=True)
         for line in sass_loops(insts):
             print(f"      {line}", flush=True)
+            if PATHS:
+                lo, hi = (int(x, 16) for x in re.match(r'loop (0x[0-9a-f]+)-(0x[0-9a-f]+)', line).groups())
+                print("        paths: " + ", ".join(f"{n:,} ({h} HGMMA)" for n, h in sass_paths(listing, lo, hi)),
+                      flush=True)
 
 
 def libdevice_calls(ptx):
@@ -94,6 +103,51 @@ def sass_loops(insts):
     line counts its inner loops too): its address range and sass_counts of its instructions."""
     return [f"loop {lo:#x}-{a:#x}: {sass_counts([i for i in insts if lo <= i[0] <= a])}"
             for a, _, lo in insts if lo is not None and lo < a]
+
+
+def sass_paths(sass, lo, hi, limit=12):
+    """[(instructions, HGMMA)] of the paths through one iteration of the loop at [lo, hi] (an address range of
+    sass_loops) in a cuobjdump -sass listing: from its first instruction to its backward branch, or out of the range,
+    taking each basic block at most once (so an inner loop's body counts at most once), distinct, fewest
+    instructions first, at most `limit`. A branch predicated on PT is always taken, on !PT never; any other
+    predicate gives both ways. Some paths may be ones the data never takes."""
+    insts = [(int(a, 16), pred.strip(), op, rest) for a, pred, op, rest in
+             re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)([^;]*);', sass, re.M)]
+    insts = [i for i in insts if lo <= i[0] <= hi]
+    addr = [i[0] for i in insts]
+
+    def exits(k):
+        """Successor addresses of instruction k (None: the iteration ends there)."""
+        a, pred, op, rest = insts[k]
+        nxt = addr[k + 1] if k + 1 < len(insts) else None
+        if op == 'EXIT' and pred in ('', '@PT'):
+            return [None]
+        if op != 'BRA' or pred == '@!PT':
+            return [nxt] if op != 'EXIT' else [None, nxt]
+        m = re.search(r'0x([0-9a-f]+)', rest)
+        tgt = int(m.group(1), 16) if m else None
+        tgt = None if tgt is None or tgt == lo or not lo <= tgt <= hi else tgt
+        return [tgt] if pred in ('', '@PT') else [tgt, nxt]
+    leaders = {lo} | {t for k in range(len(insts)) if insts[k][2] in ('BRA', 'EXIT') for t in exits(k) if t}
+    leaders |= {addr[k + 1] for k in range(len(insts) - 1) if insts[k][2] in ('BRA', 'EXIT')}
+    starts = sorted(a for a in leaders if a in set(addr))
+    blocks = {}   # leader -> (instructions, HGMMA, successor leaders (None: the iteration ends))
+    for j, b in enumerate(starts):
+        ks = [k for k in range(addr.index(b), len(insts)) if j + 1 == len(starts) or addr[k] < starts[j + 1]]
+        blocks[b] = (len(ks), sum(insts[k][2] == 'HGMMA' for k in ks), exits(ks[-1]))
+    found = set()
+
+    def walk(b, seen, n, h):
+        if b is None:
+            found.add((n, h))
+            return
+        if b in seen or len(found) > 10000:
+            return
+        nb, hb, succ = blocks[b]
+        for s in succ:
+            walk(s, seen | {b}, n + nb, h + hb)
+    walk(lo, frozenset(), 0, 0)
+    return sorted(found)[:limit]
 
 
 def mn_a16(ttgir):
@@ -196,10 +250,11 @@ def configs(kernel):
     """(BV, num_warps, num_stages) of every autotune config of the state kernel (KDA_OPS_AUTOTUNE must not be 0)."""
     return [(cf.kwargs['BV'], cf.num_warps, cf.num_stages) for cf in kernel.configs]
 
-SASS = '--sass' in sys.argv
+PATHS = '--paths' in sys.argv
+SASS = '--sass' in sys.argv or PATHS
 
 if __name__ == '__main__':
-    what = [w for w in sys.argv[1:] if w != '--sass'] or ['intra', 'wu', 'state']
+    what = [w for w in sys.argv[1:] if w not in ('--sass', '--paths')] or ['intra', 'wu', 'state']
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
         # the backward's recompute with the forward's Aqk, Tm: its own autotuner's configs, and BK 64 / 8 warps
