@@ -628,4 +628,4 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 8 + 3 + 3 + 5 + 10 + 2 + 1 + 2 + 4 + 2 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]
+    assert f"{len(CASES) + 8 + 3 + 3 + 3 + 5 + 10 + 2 + 1 + 2 + 4 + 2 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]
