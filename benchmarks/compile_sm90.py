@@ -65,14 +65,12 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
     print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
     if SASS:
-        listing = subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout
-        insts = sass_insts(listing)
+        insts = sass_insts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)
         print(f"    sass {sass_counts(insts)}; {libdevice_calls(k.asm['ptx'])}", flush=True)
-        for line in sass_loops(insts):
-            print(f"      {line}", flush=True)
+        for lo, hi in sass_loops(insts):
+            print(f"      loop {lo:#x}-{hi:#x}: {sass_counts([i for i in insts if lo <= i[0] <= hi])}", flush=True)
             if PATHS:
-                lo, hi = (int(x, 16) for x in re.match(r'loop (0x[0-9a-f]+)-(0x[0-9a-f]+)', line).groups())
-                print("        paths: " + ", ".join(f"{n:,} ({h} HGMMA)" for n, h in sass_paths(listing, lo, hi)),
+                print("        paths: " + ", ".join(f"{n:,} ({h} HGMMA)" for n, h in sass_paths(insts, lo, hi)),
                       flush=True)
 
 
@@ -86,66 +84,62 @@ def libdevice_calls(ptx):
 
 
 def sass_insts(sass):
-    """[(address, opcode without modifiers, branch target or None)] of a cuobjdump -sass listing."""
-    insts = re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)([^;]*);', sass, re.M)
-    return [(int(a, 16), op, int(m.group(1), 16) if op == 'BRA' and (m := re.search(r'0x([0-9a-f]+)', rest))
-             else None) for a, op, rest in insts]
+    """[(address, predicate ('' or e.g. '@!P0'), opcode without modifiers, branch target or None)] of a
+    cuobjdump -sass listing."""
+    insts = re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)([^;]*);', sass, re.M)
+    return [(int(a, 16), pred.strip(), op,
+             int(m.group(1), 16) if op == 'BRA' and (m := re.search(r'0x([0-9a-f]+)', rest)) else None)
+            for a, pred, op, rest in insts]
 
 
 def sass_counts(insts, ops=('LDG', 'STG', 'LDL', 'STL', 'MUFU', 'FFMA', 'FADD', 'FSEL', 'HGMMA', 'SHFL', 'BAR')):
     """'N instructions, LDG n, ...' of sass_insts' list."""
-    names = [op for _, op, _ in insts]
+    names = [i[2] for i in insts]
     return f"{len(names)} instructions, " + ", ".join(f"{op} {names.count(op)}" for op in ops)
 
 
 def sass_loops(insts):
-    """One line per loop of sass_insts' list (a backward branch and the code it jumps back over; an outer loop's
-    line counts its inner loops too): its address range and sass_counts of its instructions."""
-    return [f"loop {lo:#x}-{a:#x}: {sass_counts([i for i in insts if lo <= i[0] <= a])}"
-            for a, _, lo in insts if lo is not None and lo < a]
+    """[(lo, hi)]: the address range of each loop of sass_insts' list (a backward branch at hi and the code from its
+    target lo; an outer loop's range holds its inner loops)."""
+    return [(tgt, a) for a, _, _, tgt in insts if tgt is not None and tgt < a]
 
 
-def sass_paths(sass, lo, hi, limit=12):
-    """[(instructions, HGMMA)] of the paths through one iteration of the loop at [lo, hi] (an address range of
-    sass_loops) in a cuobjdump -sass listing: from its first instruction to its backward branch, or out of the range,
-    taking each basic block at most once (so an inner loop's body counts at most once), distinct, fewest
-    instructions first, at most `limit`. A branch predicated on PT is always taken, on !PT never; any other
-    predicate gives both ways. Some paths may be ones the data never takes."""
-    insts = [(int(a, 16), pred.strip(), op, rest) for a, pred, op, rest in
-             re.findall(r'^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)([^;]*);', sass, re.M)]
+def sass_paths(insts, lo, hi, limit=12):
+    """[(instructions, HGMMA)] of the paths through one iteration of the loop at [lo, hi] (sass_loops) of
+    sass_insts' list: from its first instruction to its backward branch, or out of the range, taking each basic
+    block at most once (so an inner loop's body counts at most once), distinct, fewest instructions first, at most
+    `limit`. A branch predicated on PT is always taken, on !PT never; any other predicate gives both ways. Some
+    paths may be ones the data never takes."""
     insts = [i for i in insts if lo <= i[0] <= hi]
-    addr = [i[0] for i in insts]
 
     def exits(k):
         """Successor addresses of instruction k (None: the iteration ends there)."""
-        a, pred, op, rest = insts[k]
-        nxt = addr[k + 1] if k + 1 < len(insts) else None
-        if op == 'EXIT' and pred in ('', '@PT'):
-            return [None]
-        if op != 'BRA' or pred == '@!PT':
-            return [nxt] if op != 'EXIT' else [None, nxt]
-        m = re.search(r'0x([0-9a-f]+)', rest)
-        tgt = int(m.group(1), 16) if m else None
-        tgt = None if tgt is None or tgt == lo or not lo <= tgt <= hi else tgt
-        return [tgt] if pred in ('', '@PT') else [tgt, nxt]
-    leaders = {lo} | {t for k in range(len(insts)) if insts[k][2] in ('BRA', 'EXIT') for t in exits(k) if t}
-    leaders |= {addr[k + 1] for k in range(len(insts) - 1) if insts[k][2] in ('BRA', 'EXIT')}
-    starts = sorted(a for a in leaders if a in set(addr))
-    blocks = {}   # leader -> (instructions, HGMMA, successor leaders (None: the iteration ends))
-    for j, b in enumerate(starts):
-        ks = [k for k in range(addr.index(b), len(insts)) if j + 1 == len(starts) or addr[k] < starts[j + 1]]
+        _, pred, op, tgt = insts[k]
+        nxt = insts[k + 1][0] if k + 1 < len(insts) else None
+        always, never = pred in ('', '@PT'), pred == '@!PT'
+        if op == 'EXIT':
+            return [None] if always else [nxt] if never else [None, nxt]
+        if op != 'BRA' or never:
+            return [nxt]
+        tgt = tgt if tgt is not None and lo < tgt <= hi else None      # the backward branch, or out of the loop
+        return [tgt] if always else [tgt, nxt]
+    ends = [k for k, i in enumerate(insts) if i[2] in ('BRA', 'EXIT')]
+    starts = sorted(({lo} | {t for k in ends for t in exits(k) if t is not None}
+                     | {insts[k + 1][0] for k in ends if k + 1 < len(insts)}) & {i[0] for i in insts})
+    index = {i[0]: k for k, i in enumerate(insts)}
+    blocks = {}   # first address -> (instructions, HGMMA, successors (None: the iteration ends))
+    for b, e in zip(starts, starts[1:] + [None]):
+        ks = range(index[b], index[e] if e is not None else len(insts))
         blocks[b] = (len(ks), sum(insts[k][2] == 'HGMMA' for k in ks), exits(ks[-1]))
     found = set()
 
     def walk(b, seen, n, h):
         if b is None:
             found.add((n, h))
-            return
-        if b in seen or len(found) > 10000:
-            return
-        nb, hb, succ = blocks[b]
-        for s in succ:
-            walk(s, seen | {b}, n + nb, h + hb)
+        elif b not in seen and len(found) <= 10000:
+            nb, hb, succ = blocks[b]
+            for s in succ:
+                walk(s, seen | {b}, n + nb, h + hb)
     walk(lo, frozenset(), 0, 0)
     return sorted(found)[:limit]
 

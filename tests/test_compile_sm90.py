@@ -7,15 +7,16 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import compile_sm90  # noqa: E402
 
-# a loop at 0x10-0x60 whose body branches on P0 (two HGMMA one way, an FADD and one HGMMA the other) and a skipped
-# block (@!PT); the loop's backward branch at 0x60, then code after the loop
+# a loop at 0x10-0x60 whose body branches on P0 (two HGMMA one way, an FADD and one HGMMA the other), a branch on
+# !PT (never taken) and one on PT (always) over a block the loop never runs; its backward branch at 0x60, then code
+# after the loop
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
         /*0020*/              @P0 BRA 0x50 ;
         /*0030*/                   FADD R1, R1, R2 ;
         /*0038*/             @!PT BRA 0x48 ;
-        /*0040*/                   BRA 0x60 ;
+        /*0040*/              @PT BRA 0x60 ;
         /*0048*/                   FADD R1, R1, R2 ;
         /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
         /*0060*/              @P1 BRA 0x10 ;
@@ -25,8 +26,22 @@ LISTING = """
 
 def test_loop_and_its_paths():
     insts = compile_sm90.sass_insts(LISTING)
-    assert [line.split(":")[0] for line in compile_sm90.sass_loops(insts)] == ["loop 0x10-0x60"]
-    # taken: 0x10, 0x20, 0x50, 0x60 (2 HGMMA); not taken: 0x10 - 0x40, 0x60 (1 HGMMA); 0x48 is never reached
-    assert compile_sm90.sass_paths(LISTING, 0x10, 0x60) == [(4, 2), (6, 1)]
+    assert compile_sm90.sass_loops(insts) == [(0x10, 0x60)]
+    # P0 taken: 0x10, 0x20, 0x50, 0x60 (2 HGMMA); not taken: 0x10 - 0x40, 0x60 (1 HGMMA); 0x48 is never reached
+    assert compile_sm90.sass_paths(insts, 0x10, 0x60) == [(4, 2), (6, 1)]
     # the code after the loop is a path of its own that ends at EXIT
-    assert compile_sm90.sass_paths(LISTING, 0x70, 0x70) == [(1, 0)]
+    assert compile_sm90.sass_paths(insts, 0x70, 0x70) == [(1, 0)]
+
+
+def test_loop_left_by_a_forward_branch():
+    """A loop whose backward branch is unconditional: one path ends there, the other leaves by a branch out of it."""
+    listing = """
+        /*0010*/                   FADD R1, R1, R2 ;
+        /*0020*/              @P2 BRA 0x90 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0040*/                   BRA 0x10 ;
+        /*0090*/                   EXIT ;
+"""
+    insts = compile_sm90.sass_insts(listing)
+    assert compile_sm90.sass_loops(insts) == [(0x10, 0x40)]
+    assert compile_sm90.sass_paths(insts, 0x10, 0x40) == [(2, 0), (4, 1)]
