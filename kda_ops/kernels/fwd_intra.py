@@ -38,9 +38,9 @@ without the test and the exact path (BOUNDED). With the in-op l2norm as well and
 diagonal_rows), and only level 64 of the split remains (4 dots per K-block).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
-X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
-of Tm's shape. All of this is fp32 (the inverse merges in tf32); the W, U dots are bf16 in the bf16 forward
-(below), tf32 otherwise.
+X <- D - (D L_off) X (a nilpotent series: exact). L and D stay in registers: the diagonal blocks are taken out
+of L and D is put back into a [64, 64] tile by reshapes. All of this is fp32 (the inverse merges in tf32); the
+W, U dots are bf16 in the bf16 forward (below), tf32 otherwise.
 Storage, two modes (``lowp``, see IntraOut):
 * forward and the backward's recompute (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam)
   in bf16, so that W and U are bf16 dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3);
@@ -97,8 +97,8 @@ INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOU
 @length_jit
 def chunk_kda_fwd_kernel_intra(
     q, k, g, beta, A_log, dt_bias,           # [B,T,H,K] x2, [B,T,HV,K], [B,T,HV], [HV], [HV*K]
-    gam, beta_act, Aqk, Tm, scr,             # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x3 (fp32; Aqk, Tm bf16 in a
-                                             #   bf16 forward; scr: fp32 scratch for L and D)
+    gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32; bf16 in a bf16
+                                             #   forward)
     rq, rk,                                  # out (USE_L2NORM): [B,T,H] fp32 l2norm row factors
     kd, qg, kbg,                             # out: [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K] x2
                                              #   (bf16 in a bf16 forward, else fp32)
@@ -112,7 +112,7 @@ def chunk_kda_fwd_kernel_intra(
 ):
     """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
     follow from Tm and kbg in chunk_kda_fwd_kernel_wu. SAVED_A (the backward, with the forward's Aqk and Tm
-    kept): only gam, beta, the l2norm factors, kd, qg and kbg; Aqk, Tm and scr are not touched."""
+    kept): only gam, beta, the l2norm factors, kd, qg and kbg; Aqk and Tm are not touched."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -139,7 +139,6 @@ def chunk_kda_fwd_kernel_intra(
     gam += t0 * sg + i_hv * K
     Aqk += t0 * sa + i_hv * BT
     Tm += t0 * sa + i_hv * BT
-    scr += t0 * sa + i_hv * BT
     qg += t0 * sg + i_hv * K
     kbg += t0 * sg + i_hv * K
     kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
@@ -264,13 +263,11 @@ def chunk_kda_fwd_kernel_intra(
         # nothing else: selected to 0, as a zeroed k_r would give (the inverse's dots would carry a NaN to every row
         # of the block, 0 * NaN); in Aqk such entries stay only at i >= r, rows that the W/U kernel turns to NaN
         b_akk = tl.where((o_t[None, :] < o_t[:, None]) & finite(b_akk), b_akk, 0.0)
-        # scale, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
+        # scale, beta: Aqk is stored; L = diag(beta) Akk stays in registers
         b_aqk = b_aqk * f_scale
         b_akk = b_akk * b_beta[:, None]
         p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
         tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
-        tl.store(scr + p_a, b_akk, mask=m_t[:, None])
-        tl.debug_barrier()
 
         # ---- Tm = (I + L)^-1. With Ld the diagonal 16x16 blocks of L, Lo the rest and D = (I + Ld)^-1:
         # I + L = (I + Ld)(I + D Lo) and D Lo is strictly block lower (nilpotent, 4 blocks), so
@@ -279,21 +276,17 @@ def chunk_kda_fwd_kernel_intra(
         # D = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8): six batched [NB, BC, BC] dots, three of them in sequence,
         # in place of 15 steps of forward substitution, each with two cross-warp reductions. The dots run as
         # tf32x3 (three tf32 products: about fp32 accuracy) for 16-bit inputs, IEEE fp32 for fp32 inputs.
+        # The blocks are taken out of L and put back into a [BT, BT] tile in registers (L's rows past Tc are zero:
+        # beta is zero there).
         o_b = tl.arange(0, BT // BC)
-        o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]                  # [NB, BC, 1] row in the chunk
-        o_c3 = o_b[:, None, None] * BC + o_c[None, None, :]                  # [NB, 1, BC] column in the chunk
-        p_d3 = o_r3 * sa + o_c3                                              # [NB, BC, BC]
-        m_d3 = (o_r3 < Tc) & (o_c3 < BT)                                    # [NB, BC, BC] valid rows
-        b_ld = tl.load(scr + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
+        m_b4 = (o_b[:, None, None, None] == o_b[None, None, :, None])          # [NB, 1, NB, 1] same block
+        b_ld = tl.sum(tl.where(m_b4, tl.reshape(b_akk, [BT // BC, BC, BT // BC, BC]), 0.0), axis=2)  # [NB, BC, BC]
         b_d = tl.where(o_c[None, :, None] == o_c[None, None, :], 1.0, 0.0) - b_ld    # [NB, BC, BC] I - Ld
         b_n = b_ld
         for _ in range(3):
             b_n = tl.dot(b_n, b_n, input_precision=INV_PREC)                # Ld^2, Ld^4, Ld^8
             b_d += tl.dot(b_d, b_n, input_precision=INV_PREC)
-        tl.debug_barrier()                                  # every thread has read Ld
-        tl.store(scr + p_d3, b_d, mask=m_d3)
-        tl.debug_barrier()
-        b_dd = tl.load(scr + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
+        b_dd = tl.reshape(tl.where(m_b4, b_d[:, :, None, :], 0.0), [BT, BT])    # [BT, BT] D, block diagonal
         # [BT, BT] @ [BT, BT] -> [BT, BT]
         b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
         b_tm = b_dd
@@ -446,14 +439,13 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
         rq=torch.empty(B, T, H, dtype=f32, device=dev) if opts.use_qk_l2norm else None,
         rk=torch.empty(B, T, H, dtype=f32, device=dev) if opts.use_qk_l2norm else None,
     )
-    # transient: the scratch of the inverse, and W's right operand beta k exp2(gam)
+    # transient: W's right operand beta k exp2(gam)
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
-    scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     gate = gate_args(x, opts)
     kernel = chunk_kda_fwd_kernel_intra if saved is None else chunk_kda_fwd_kernel_intra_rerun
     wrap_triton(kernel)[(idx.NT_total, HV)](
         q, k, x.g, x.beta, absent(gate.A_log, q), absent(gate.dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
+        out.gam, out.beta, out.Aqk, out.Tm, absent(out.rq, q), absent(out.rk, q),
         out.kd, out.qg, kbg,
         absent(idx.cu_seqlens, q), absent(idx.chunk_indices, q),
         float(opts.scale), gate.lower_bound, T, idx.N,
