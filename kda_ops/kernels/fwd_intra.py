@@ -21,20 +21,22 @@ The pairs of different 16-row blocks are always taken exactly, by levels 32 and 
 (split_level): at level S each S-row segment pairs the rows of its second half with the columns of its first half
 in one dot per operand, factored around the segment's middle row (both factors <= 1 for any decay). For the pairs
 inside the four diagonal blocks, per K-block, chosen in the kernel from the data (no host sync):
-* fast (|gam_i - c(i)| <= span for every row i, c(i) the midpoint (gam_a + gam_b) / 2 of the first and last
-  rows of i's 16-row block, which halves the block's spread; span is common.SPAN_UNIT with the in-op l2norm,
-  whose rows enter the dots normalised, else common.SPAN): all four blocks in one tensor-core dot per operand,
-  factored around each block's midpoint (diagonal_dots): (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)); the
-  entries outside the blocks are discarded, those above the diagonal after the K loop. A K-block costs 4 exp2
-  tiles and 6 dots;
+* fast (|gam_i - c(i)| <= span for every row i, c(i) = gam_a - span with a the first row of i's 16-row block,
+  which holds exactly when the block spans at most 2 span, as around the midpoint of its first and last rows;
+  span is common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): all
+  four blocks in one tensor-core dot per operand, factored around each block's reference (diagonal_dots):
+  (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)); the entries outside the blocks are discarded, those above the
+  diagonal after the K loop. A K-block costs 4 exp2 tiles, 6 dots and 3 row loads (one row per segment: the
+  blocks' first rows, the split's middle rows);
 * otherwise (a block spans more than span, e.g. strong decay without lower_bound) down the split: level 16, then
   the same test and dots for the 8-row halves of the blocks; where that fails, level 8 and the 4-row quarters;
   then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j, decay 1, which always
-  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level two more
-  row loads (first and last rows) and a reduction for its test.
+  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level one more
+  row load (the segments' middle rows: the split's reference, and the first rows of the second halves) and a
+  reduction for its test.
 With the in-op safe gate no block spans more than common.SPAN (common.bounded_gate): the kernel is then built
 without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no row of a
-32-row half is more than SPAN_UNIT from the half's midpoint: the fast path then takes the halves (DIAG = 32,
+32-row half spans more than 2 SPAN_UNIT: the fast path then takes the halves (DIAG = 32,
 diagonal_rows), and only level 64 of the split remains (4 dots per K-block).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
@@ -227,11 +229,13 @@ def chunk_kda_fwd_kernel_intra(
                 b_q = b_q * b_rq[:, None]
                 b_k = b_k * b_rk[:, None]
             # The diagonal 16-row blocks take one factored dot per operand when every |gam_i - c(i)| <= span in
-            # this K-block (c(i) the midpoint of i's block, midpoint_delta): the row factors exp2(gam_i - c) and the
-            # column factors exp2(c - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
-            # overflows and what a flush costs). The test's loads and reduction are issued before the levels below.
-            # (DIAG = 32: the 32-row halves of the chunk, which the safe gate bounds; diagonal_rows)
-            b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, DIAG)                    # [BT, BK]
+            # this K-block (c(i) = gam_f - span, f the first row of i's block: anchor_delta): the row factors
+            # exp2(gam_i - c) and the column factors exp2(c - gam_j) then stay in [2^-span, 2^span] (common.SPAN,
+            # SPAN_UNIT say why nothing overflows and what a flush costs). The test's load and reduction are issued
+            # before the levels below. (DIAG = 32: the 32-row halves of the chunk, which the safe gate bounds;
+            # diagonal_rows)
+            b_gf = segment_rows(gam, o_t, o_k, m_k, sg, Tc, DIAG, 0)                         # [BT, BK]
+            b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)                                   # [BT, BK]
             if BOUNDED:     # the safe gate bounds the span (common.bounded_gate): no test, no exact path
                 fast = True
             else:
@@ -239,20 +243,24 @@ def chunk_kda_fwd_kernel_intra(
             # pairs of different blocks, exact for any decay: levels 2 DIAG .. 64 of the binary split (split_level)
             for up in tl.static_range(1, 3):
                 if (DIAG << up) <= BT:
-                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, DIAG << up,
-                                               BT, DOT_DT, PREC)
+                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, DIAG << up, DIAG << (up - 1))
+                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, DIAG << up, BT, DOT_DT, PREC)
             if fast:
                 b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, DIAG, DOT_DT, PREC)
             else:
                 # down the split from level 16: each level S, then the same test for the S/2-row halves of its
                 # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
-                # rows, the diagonal i == j, where gam_i - gam_m(i) = 0). Every path covers each pair j <= i once.
+                # rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each pair j <= i once.
+                # A level loads two rows per segment: its first row and its middle row, the split's reference and
+                # the first row of the segment's second half
                 go = True
                 for lv in range(4, 0, -1):
                     if go:
-                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv,
-                                                   BT, DOT_DT, PREC)
-                        b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, 1 << (lv - 1))
+                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
+                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT, DOT_DT, PREC)
+                        b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
+                                        segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
+                        b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
                         if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
                             b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, 1 << (lv - 1), DOT_DT,
                                                          PREC)
@@ -310,22 +318,27 @@ chunk_kda_fwd_kernel_intra_rerun = triton.autotune(
 
 
 @triton.jit
-def midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
-    """[BT, BK] gam_i - c(i), c(i) = (gam_a + gam_b) / 2 the midpoint of the first row a and the last row b of i's
-    R-row block (rows past Tc - 1 taken as Tc - 1); 0 on rows past Tc. gam does not increase along the chunk, so
-    c(i) halves the block's spread: max |gam_i - c(i)| = (gam_a - gam_b) / 2, where a reference row of the block
-    leaves up to R // 2 steps on one side. b_g: the K-block's gam rows."""
-    o_a = tl.minimum((o_t // R) * R, Tc - 1)
-    o_b = tl.minimum((o_t // R) * R + (R - 1), Tc - 1)
-    b_ga = tl.load(gam + o_a[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-    b_gb = tl.load(gam + o_b[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-    return b_g - 0.5 * (b_ga + b_gb)
+def segment_rows(gam, o_t, o_k, m_k, sg, Tc, R, OFF):
+    """[BT, BK] the K-block's gam at row (i // R) * R + OFF of each row i's R-row segment, 0 where that row is past
+    Tc - 1 or past K."""
+    o_r = (o_t // R) * R + OFF
+    return tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def anchor_delta(b_g, b_gf, o_t, Tc, span):
+    """[BT, BK] gam_i - c(i), c(i) = gam_f - span, f the first row of i's block (b_gf, segment_rows with OFF 0);
+    0 on rows past Tc. gam does not increase along the chunk, so |gam_i - c(i)| <= span for every row of a block
+    exactly when the block spans at most 2 span (gam_f - gam_last), the same condition as around the midpoint of
+    its first and last rows, from one row instead of two; and any increase of gam from f on fails it (b_g: the
+    K-block's gam rows)."""
+    return tl.where((o_t < Tc)[:, None], b_g - b_gf + span, 0.0)
 
 
 @triton.jit
 def diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, R, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's midpoint c:
-    (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)), b_dm = gam_i - c(i) (midpoint_delta) within the span.
+    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's reference c:
+    (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)), b_dm = gam_i - c(i) (anchor_delta) within the span.
     Entries outside the blocks are discarded here (their factors' product may overflow), those above the diagonal
     by the caller after the K loop. Returns b_aqk, b_akk with the K-block's sums added."""
     m_blk = (o_t[:, None] // R) == (o_t[None, :] // R)                  # [BT, BT] same diagonal block
@@ -338,18 +351,17 @@ def diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, R, DOT_DT: tl.constexpr, PR
 
 
 @triton.jit
-def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: tl.constexpr,
-                DOT_DT: tl.constexpr, PREC: tl.constexpr):
+def split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gr, o_t, S, BT: tl.constexpr, DOT_DT: tl.constexpr,
+                PREC: tl.constexpr):
     """One level of the binary split of a chunk's pairs j < i: in each S-row segment, the rows i of its second
     half against the columns j of its first half, factored around the segment's middle row R (j < R <= i):
     exp2(gam_i - gam_j) = exp2(gam_i - gam_R) exp2(gam_R - gam_j), both factors <= 1 whatever the decay (gam
     does not increase: g <= 0 is the op's contract; written exp2(-|gam - gam_R|), so on this path a net
     increase of gam, from g > 0, would be taken as the same decrease). b_q, b_k, b_g: the K-block's [BT, BK]
-    rows (zero past Tc). Returns b_aqk and b_akk with the sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j)
+    rows (zero past Tc); b_gr: gam at the middle row of each row's segment (segment_rows). Returns b_aqk and b_akk
+    with the sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j)
     over the K-block added at those pairs only (at S = BT the dots make no others and accumulate in place). A
     factor that flushes to zero stands for a true product below 2^-126."""
-    o_r = (o_t // S) * S + S // 2                                   # [BT] middle row of each row's segment
-    b_gr = tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
     b_e = tl.exp2(-tl.abs(b_g - b_gr))                              # [BT, BK]
     m_hi = ((o_t % S) >= S // 2)[:, None]                          # [BT, 1] rows in the second half
     b_kc = tl.trans(tl.where(m_hi, 0.0, b_k * b_e).to(DOT_DT))    # [BK, BT] columns of the first half
@@ -368,8 +380,8 @@ def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: 
 def diagonal_rows(opts: KDAOptions) -> int:
     """The rows of the diagonal blocks that the forward intra kernel takes by one factored dot per operand on its
     fast path: the chunk's 32-row halves (2 BC) when the in-op safe gate and the in-op l2norm bound every half within
-    SPAN_UNIT of its midpoint whatever the inputs (each step's log decay in [lower_bound, 0], at most (2 BC - 1) / 2
-    steps from the midpoint: lower_bound >= -112 / (15.5 log2(e)) = -5.0085), else its 16-row blocks (BC).
+    2 SPAN_UNIT whatever the inputs (each step's log decay in [lower_bound, 0], 2 BC - 1 steps from its first row to
+    its last: lower_bound >= -224 / (31 log2(e)) = -5.0085), else its 16-row blocks (BC).
     With halves a K-block takes 4 dots instead of 6 (the split's level 32 is not needed). From the options alone."""
     return 2 * BC if opts.use_qk_l2norm and bounded_gate(opts, SPAN_UNIT, (2 * BC - 1) / 2) else BC
 
