@@ -422,8 +422,8 @@ def test_raw_gate_plus_inf(lower_bound):
 # H = 1, HV = 2 (GVA: key head 0 feeds both value heads). Two sequences; the bad token sits in the second one:
 # "chunk0": T = 40, cu_seqlens [0, 17, 40], token 30 = row 13 of the sequence's only chunk;
 # "chunk1": T = 110, cu_seqlens [0, 10, 110], token 103 = row 29 of the sequence's second chunk.
-# The intra stage factors the products inside a 16-row block around the midpoint of the block's first and last
-# rows, so a bad gate (a zero log decay) changes the rounding of the rows of its block before it: those are
+# The intra stage factors the products inside a 16-row block around a reference taken from the block's first row,
+# so a bad gate (a zero log decay) changes the rounding of the rows of its block before it: those are
 # compared within rounding, every earlier row bitwise. BLOCK_START: the first token of the bad token's block.
 CAUSAL_LAYOUTS = {"chunk0": ([17, 23], 30), "chunk1": ([10, 100], 103)}
 BLOCK_START = {"chunk0": 17 + 0, "chunk1": 10 + 64 + 16}
