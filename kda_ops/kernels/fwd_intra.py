@@ -251,22 +251,32 @@ def chunk_kda_fwd_kernel_intra(
                 # down the split from level 16: each level S, then the same test for the S/2-row halves of its
                 # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
                 # rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each pair j <= i once.
-                # A level loads two rows per segment: its first row and its middle row, the split's reference and
-                # the first row of the segment's second half. Its test's reduction is issued before the split's
-                # dots, as on the fast path (in the sm_90 build this also leaves fewer registers spilled)
-                go = True
-                for lv in range(4, 0, -1):
-                    if go:
-                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
-                        b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
-                                        segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
-                        b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
-                        ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT, DOT_DT, PREC)
-                        if ok:
-                            b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, 1 << (lv - 1), DOT_DT,
-                                                         PREC)
-                            go = False
+                # Level 16 is written out (its masks are constants; this is where most blocks that fail the 16-row
+                # test pass): its first halves keep the 16-row blocks' references, b_dm, and its second halves take
+                # the split's middle rows. The levels below load two rows per segment, its first row and its middle
+                # row (the split's reference and the first row of the second half), and issue their test before
+                # the split's dots (level 16 issues it after them: in the sm_90 build that spills less)
+                b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
+                b_dm = tl.where(((o_t % BC) >= BC // 2)[:, None], anchor_delta(b_g, b_gm, o_t, Tc, span), b_dm)
+                b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
+                ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                if ok:
+                    b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC // 2, DOT_DT, PREC)
+                else:
+                    go = True
+                    for lv in range(3, 0, -1):
+                        if go:
+                            b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
+                            b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
+                                            segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
+                            b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
+                            ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                            b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT, DOT_DT,
+                                                       PREC)
+                            if ok:
+                                b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, 1 << (lv - 1),
+                                                             DOT_DT, PREC)
+                                go = False
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         # below the diagonal, a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and
