@@ -17,27 +17,29 @@ kernel needs far fewer, so it runs more programs per SM.
 
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
 exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded).
-The pairs of different 16-row blocks are always taken exactly, by levels 32 and 64 of a binary split of the chunk
-(split_level): at level S each S-row segment pairs the rows of its second half with the columns of its first half
-in one dot per operand, factored around the segment's middle row (both factors <= 1 for any decay). For the pairs
-inside the four diagonal blocks, per K-block, chosen in the kernel from the data (no host sync):
-* fast (|gam_i - c(i)| <= span for every row i, c(i) = gam_a - span with a the first row of i's 16-row block,
-  which holds exactly when the block spans at most 2 span, as around the midpoint of its first and last rows;
-  span is common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): all
-  four blocks in one tensor-core dot per operand, factored around each block's reference (diagonal_dots):
-  (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)); the entries outside the blocks are discarded, those above the
-  diagonal after the K loop. A K-block costs 4 exp2 tiles, 6 dots and 3 row loads (one row per segment: the
-  blocks' first rows, the split's middle rows);
-* otherwise (a block spans more than span, e.g. strong decay without lower_bound) down the split: level 16, then
-  the same test and dots for the 8-row halves of the blocks; where that fails, level 8 and the 4-row quarters;
-  then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j, decay 1, which always
-  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level one more
-  row load (the segments' middle rows: the split's reference, and the first rows of the second halves) and a
-  reduction for its test.
-With the in-op safe gate no block spans more than common.SPAN (common.bounded_gate): the kernel is then built
-without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no row of a
-32-row half spans more than 2 SPAN_UNIT: the fast path then takes the halves (DIAG = 32,
-diagonal_rows), and only level 64 of the split remains (4 dots per K-block).
+Per K-block, chosen in the kernel from the data (no host sync):
+* fast (every 16-row block of the chunk spans at most 2 span, gam_f - gam_l with f, l its first and last rows;
+  span is common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN): every
+  pair j <= i by one tensor-core dot per operand and block of rows i, in place (group_dots):
+  (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)) for the columns j up to the block's last row, around
+  c = gam_l + span. Within the block all factors are in [2^-span, 2^span]; the factors of earlier columns are
+  at most 2^-span, and one that flushes to zero drops a term below 2^(span - 126) (none of any size where the
+  block spans at most span). A K-block costs 5 exp2 tiles, 8 dots and 1 tile of row loads (the blocks' last
+  rows, also the test's reference: group_delta);
+* otherwise (a block spans more than 2 span, e.g. strong decay without lower_bound) the pairs of different
+  blocks are taken exactly, by levels 32 and 64 of a binary split of the chunk (split_level): at level S each
+  S-row segment pairs the rows of its second half with the columns of its first half in one dot per operand,
+  factored around the segment's middle row (both factors <= 1 for any decay). Then down the split inside the
+  blocks: level 16, then the same test for the 8-row halves of the blocks, whose pairs take one dot per operand,
+  factored around each half's reference and masked to the halves (diagonal_dots); where that fails, level 8 and
+  the 4-row quarters; then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j,
+  decay 1, which always pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and
+  per level one more row load (the segments' middle rows: the split's reference, and the first rows of the
+  second halves) and a reduction for its test.
+With the in-op safe gate no block spans more than 2 common.SPAN (common.bounded_gate): the kernel is then built
+without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no 32-row
+half spans more than 2 SPAN_UNIT: the fast path then takes the halves as its blocks (DIAG = 32,
+diagonal_rows; 4 dots per K-block).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D stay in registers: the diagonal blocks are taken out
@@ -228,36 +230,34 @@ def chunk_kda_fwd_kernel_intra(
                 # a non-finite k element stays non-finite (its row factor is 0: 0 * inf and 0 * NaN are NaN)
                 b_q = b_q * b_rq[:, None]
                 b_k = b_k * b_rk[:, None]
-            # The diagonal 16-row blocks take one factored dot per operand when every |gam_i - c(i)| <= span in
-            # this K-block (c(i) = gam_f - span, f the first row of i's block: anchor_delta): the row factors
-            # exp2(gam_i - c) and the column factors exp2(c - gam_j) then stay in [2^-span, 2^span] (common.SPAN,
-            # SPAN_UNIT say why nothing overflows and what a flush costs). The test's load and reduction are issued
-            # before the levels below. (DIAG = 32: the 32-row halves of the chunk, which the safe gate bounds;
-            # diagonal_rows)
-            b_gf = segment_rows(gam, o_t, o_k, m_k, sg, Tc, DIAG, 0)                         # [BT, BK]
-            b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)                                   # [BT, BK]
+            # Every pair by one factored dot per operand and 16-row block when every |gam_i - c(i)| <= span in this
+            # K-block (c(i) = gam_l + span, l the last row of i's block: group_delta): the row factors
+            # exp2(gam_i - c) and the column factors exp2(c - gam_j) of the block then stay in [2^-span, 2^span]
+            # (common.SPAN, SPAN_UNIT say why nothing overflows and what a flush costs). (DIAG = 32: the 32-row
+            # halves of the chunk, which the safe gate bounds; diagonal_rows)
+            b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, DIAG), o_t, Tc, span)    # [BT, BK]
             if BOUNDED:     # the safe gate bounds the span (common.bounded_gate): no test, no exact path
                 fast = True
             else:
                 fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-            # pairs of different blocks, exact for any decay: levels 2 DIAG .. 64 of the binary split (split_level)
-            for up in tl.static_range(1, 3):
-                if (DIAG << up) <= BT:
-                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, DIAG << up, DIAG << (up - 1))
-                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, DIAG << up, BT, DOT_DT, PREC)
             if fast:
-                b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, DIAG, DOT_DT, PREC)
+                b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc, span, DIAG,
+                                          BT, DOT_DT, PREC)
             else:
+                # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split (split_level)
+                for up in tl.static_range(1, 3):
+                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC << up, BC << (up - 1))
+                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC << up, BT, DOT_DT, PREC)
                 # down the split from level 16: each level S, then the same test for the S/2-row halves of its
                 # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
                 # rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each pair j <= i once.
                 # Level 16 is written out (its masks are constants; this is where most blocks that fail the 16-row
-                # test pass): its first halves keep the 16-row blocks' references, b_dm, and its second halves take
-                # the split's middle rows. The levels below load two rows per segment, its first row and its middle
-                # row (the split's reference and the first row of the second half), and issue their test before
-                # the split's dots (level 16 issues it after them: in the sm_90 build that spills less)
+                # test pass): its halves are referred to their last rows (group_delta, as the fast path's blocks).
+                # The levels below load two rows per segment, its first row and its middle row (the split's
+                # reference and the first row of the second half), and issue their test before the split's dots
+                # (level 16 issues it after them: in the sm_90 build that spills less)
                 b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
-                b_dm = tl.where(((o_t % BC) >= BC // 2)[:, None], anchor_delta(b_g, b_gm, o_t, Tc, span), b_dm)
+                b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC // 2), o_t, Tc, span)
                 b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
                 ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
                 if ok:
@@ -345,6 +345,50 @@ def anchor_delta(b_g, b_gf, o_t, Tc, span):
     its first and last rows, from one row instead of two; and any increase of gam from f on fails it (b_g: the
     K-block's gam rows)."""
     return tl.where((o_t < Tc)[:, None], b_g - b_gf + span, 0.0)
+
+
+@triton.jit
+def last_rows(gam, o_t, o_k, m_k, sg, Tc, R):
+    """[BT, BK] the K-block's gam at the last row of each row i's R-row group, or at row Tc - 1 where the group
+    ends past it; 0 past K."""
+    o_r = tl.minimum((o_t // R) * R + R - 1, Tc - 1)
+    return tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=m_k[None, :], other=0.0)
+
+
+@triton.jit
+def group_delta(b_g, b_gl, o_t, Tc, span):
+    """[BT, BK] gam_i - c(i), c(i) = gam_l + span, l the last row of i's group (b_gl, last_rows); 0 on rows past
+    Tc. gam does not increase along the chunk, so |gam_i - c(i)| <= span for every row of a group exactly when
+    the group spans at most 2 span (gam_f - gam_l, f its first row), the same condition as around the midpoint of
+    its first and last rows, from one row instead of two; and any increase of gam towards l fails it."""
+    return tl.where((o_t < Tc)[:, None], b_g - b_gl - span, 0.0)
+
+
+@triton.jit
+def group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc, span, R: tl.constexpr,
+               BT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """Every pair j <= i of the chunk, one dot per operand for each R-row group of rows i (in place, no mask),
+    where every group spans at most 2 span: (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)) for the rows i of the
+    group and the columns j up to its last row l, around c = gam_l + span (b_dm = gam_i - c(i), group_delta).
+    Within the group every exponent is then in [-span, span], so nothing overflows or flushes. The row factors are
+    at most 2^(gam_f - gam_l - span) (f the group's first row); a column before the group whose factor flushes to
+    zero drops a term below 2^(gam_f - gam_l - span - 126) |x_i| |k_j|: none of any size where the group spans at
+    most span, at most 2^(span - 126) |x_i| |k_j| otherwise (the fast path's bound, common.SPAN_UNIT). Columns
+    past the group are clamped to 2^span and make entries above the diagonal only, which the caller discards after
+    the K loop. gam: the chunk's first row of gam, row stride sg. Returns b_aqk, b_akk."""
+    b_e = tl.exp2(b_dm)                                                 # [BT, BK] exp2(gam_i - c(i))
+    b_qe = (b_q * b_e).to(DOT_DT)
+    b_ke = (b_k * b_e).to(DOT_DT)
+    for grp in tl.static_range(BT // R):
+        # [BK] c (a group past the chunk's end has zero rows: any row's value will do)
+        b_c = tl.load(gam + tl.minimum(grp * R + R - 1, Tc - 1) * sg + o_k, mask=m_k, other=0.0) + span
+        m_r = ((o_t // R) == grp)[:, None]                              # [BT, 1] the group's rows
+        # [BK, BT] k_j exp2(c - gam_j)
+        b_kc = tl.trans((b_k * tl.exp2(tl.minimum(b_c[None, :] - b_g, span))).to(DOT_DT))
+        # [BT, BK] @ [BK, BT] -> [BT, BT]
+        b_aqk = tl.dot(tl.where(m_r, b_qe, 0.0).to(DOT_DT), b_kc, b_aqk, input_precision=PREC)
+        b_akk = tl.dot(tl.where(m_r, b_ke, 0.0).to(DOT_DT), b_kc, b_akk, input_precision=PREC)
+    return b_aqk, b_akk
 
 
 @triton.jit
