@@ -422,7 +422,7 @@ def test_raw_gate_plus_inf(lower_bound):
 # H = 1, HV = 2 (GVA: key head 0 feeds both value heads). Two sequences; the bad token sits in the second one:
 # "chunk0": T = 40, cu_seqlens [0, 17, 40], token 30 = row 13 of the sequence's only chunk;
 # "chunk1": T = 110, cu_seqlens [0, 10, 110], token 103 = row 29 of the sequence's second chunk.
-# The intra stage factors the products inside a 16-row block around a reference taken from the block's first row,
+# The intra stage factors the products of a 16-row block's rows around a reference taken from the block's last row,
 # so a bad gate (a zero log decay) changes the rounding of the rows of its block before it: those are
 # compared within rounding, every earlier row bitwise. BLOCK_START: the first token of the bad token's block.
 CAUSAL_LAYOUTS = {"chunk0": ([17, 23], 30), "chunk1": ([10, 100], 103)}
