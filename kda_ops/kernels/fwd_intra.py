@@ -20,7 +20,9 @@ exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-s
 Per K-block, chosen in the kernel from the data (no host sync):
 * fast (every 16-row block of the chunk spans at most 2 span, gam_f - gam_l with f, l its first and last rows;
   span is common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN; tested
-  first for the chunk's two 32-row halves as the blocks, which weak gates pass, with 2 blocks instead of 4): every
+  first for the chunk's two 32-row halves as the blocks, which weak gates pass, with 2 blocks instead of 4; a test
+  that failed for a K-block is not tried again for the chunk's later K-blocks, which then start from the next
+  level down, as the channels of a head share its decay rate): every
   pair j <= i by one tensor-core dot per operand and block of rows i, in place (group_dots):
   (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)) for the columns j up to the block's last row, around
   c = gam_l + span. Within the block all factors are in [2^-span, 2^span]; the factors of earlier columns are
@@ -195,6 +197,7 @@ def chunk_kda_fwd_kernel_intra(
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i), every block in the
     # dot layout; entries above the diagonal are masked once after the K loop
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    lvl = tl.full((), 0, tl.int32)      # the fast path's first level to test (the K loop below)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     # q and k of K-block i_k + 1 are loaded while block i_k is worked on, as in the pass (gam is not: here the
     # kernel is at its register limit; two more tiles spill 16 bytes, which measured faster than waiting)
@@ -241,54 +244,64 @@ def chunk_kda_fwd_kernel_intra(
                 b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc, span, DIAG,
                                           BT, DOT_DT, PREC)
             else:
-                # the 32-row halves where both span at most 2 span (2 dots per operand), else the 16-row blocks
-                b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, 2 * BC), o_t, Tc, span)
-                if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
-                    b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc, span,
-                                              2 * BC, BT, DOT_DT, PREC)
-                else:
+                # The tests start from the level the previous K-block took (lvl: 0 the 32-row halves, 1 the 16-row
+                # blocks, 2 the exact path; 0 at the first K-block): a test that failed there is not tried again
+                # in the chunk (the channels of a head share its decay rate, so the next K-block mostly fails it too).
+                # The 32-row halves where both span at most 2 span (2 dots per operand), else the 16-row blocks
+                path = lvl
+                if path == 0:
+                    b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, 2 * BC), o_t, Tc, span)
+                    if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
+                        b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc,
+                                                  span, 2 * BC, BT, DOT_DT, PREC)
+                    else:
+                        path = tl.full((), 1, tl.int32)
+                if path == 1:
                     b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC), o_t, Tc, span)
                     if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
                         b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc,
                                                   span, BC, BT, DOT_DT, PREC)
                     else:
-                        # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split
-                        # (split_level)
-                        for up in tl.static_range(1, 3):
-                            b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC << up, BC << (up - 1))
-                            b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC << up, BT, DOT_DT,
-                                                       PREC)
-                        # down the split from level 16: each level S, then the same test for the S/2-row halves
-                        # of its segments, whose pairs take one dot per operand where it passes (at S = 2 the halves
-                        # are single rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each
-                        # pair j <= i once. Level 16 is written out (its masks are constants; this is where most
-                        # blocks that fail the 16-row test pass): its halves are referred to their last rows
-                        # (group_delta, as the fast path's blocks). The levels below load two rows per segment, its
-                        # first row and its middle row (the split's reference and the first row of the second
-                        # half), and issue their test before the split's dots (level 16 issues it after them: in the
-                        # sm_90 build that spills less)
-                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
-                        b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC // 2), o_t, Tc, span)
-                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
-                        ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-                        if ok:
-                            b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC // 2, DOT_DT,
-                                                         PREC)
-                        else:
-                            go = True
-                            for lv in range(3, 0, -1):
-                                if go:
-                                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
-                                    b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
-                                                    segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
-                                    b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
-                                    ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-                                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT,
-                                                               DOT_DT, PREC)
-                                    if ok:
-                                        b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t,
-                                                                     1 << (lv - 1), DOT_DT, PREC)
-                                        go = False
+                        path = tl.full((), 2, tl.int32)
+                if path == 2:
+                    # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split
+                    # (split_level)
+                    for up in tl.static_range(1, 3):
+                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC << up, BC << (up - 1))
+                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC << up, BT, DOT_DT,
+                                                   PREC)
+                    # down the split from level 16: each level S, then the same test for the S/2-row halves
+                    # of its segments, whose pairs take one dot per operand where it passes (at S = 2 the halves
+                    # are single rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each
+                    # pair j <= i once. Level 16 is written out (its masks are constants; this is where most
+                    # blocks that fail the 16-row test pass): its halves are referred to their last rows
+                    # (group_delta, as the fast path's blocks). The levels below load two rows per segment, its
+                    # first row and its middle row (the split's reference and the first row of the second
+                    # half), and issue their test before the split's dots (level 16 issues it after them: in the
+                    # sm_90 build that spills less)
+                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
+                    b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC // 2), o_t, Tc, span)
+                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
+                    ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                    if ok:
+                        b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC // 2, DOT_DT,
+                                                     PREC)
+                    else:
+                        go = True
+                        for lv in range(3, 0, -1):
+                            if go:
+                                b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
+                                b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
+                                                segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
+                                b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
+                                ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                                b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT,
+                                                           DOT_DT, PREC)
+                                if ok:
+                                    b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t,
+                                                                 1 << (lv - 1), DOT_DT, PREC)
+                                    go = False
+                lvl = path
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         # below the diagonal, a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and
