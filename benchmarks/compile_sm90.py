@@ -163,8 +163,8 @@ def mn_a16(ttgir):
 def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, maxnreg=None, **flags):
     """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
     wdt = wdt or dt
-    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','scr','rq','rk','kd','qg','kbg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}']*2 + ['*fp32']*3 + [f'*{wdt}']*3 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
+    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','rq','rk','kd','qg','kbg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
+    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}']*2 + ['*fp32']*2 + [f'*{wdt}']*3 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',

@@ -439,11 +439,12 @@ def test_raw_gate_plus_inf(lower_bound):
 # H = 1, HV = 2 (GVA: key head 0 feeds both value heads). Two sequences; the bad token sits in the second one:
 # "chunk0": T = 40, cu_seqlens [0, 17, 40], token 30 = row 13 of the sequence's only chunk;
 # "chunk1": T = 110, cu_seqlens [0, 10, 110], token 103 = row 29 of the sequence's second chunk.
-# The intra stage factors the products inside a 16-row block around the midpoint of the block's first and last
-# rows, so a bad gate (a zero log decay) changes the rounding of the rows of its block before it: those are
-# compared within rounding, every earlier row bitwise. BLOCK_START: the first token of the bad token's block.
+# The intra stage factors the products of a block's rows around a reference taken from the block's last row (its
+# 32-row half where both halves of the chunk pass the wide test, as these small gates do; else its 16-row block),
+# so a bad gate (a zero log decay) changes the rounding of the rows of its block before it: those are
+# compared within rounding, every earlier row bitwise. BLOCK_START: the first token of the bad token's 32-row half.
 CAUSAL_LAYOUTS = {"chunk0": ([17, 23], 30), "chunk1": ([10, 100], 103)}
-BLOCK_START = {"chunk0": 17 + 0, "chunk1": 10 + 64 + 16}
+BLOCK_START = {"chunk0": 17 + 0, "chunk1": 10 + 64}
 # (input, value, [batch, token, head, channel] index without the token, value heads it reaches)
 NONFINITE = [("q", "nan", (0, 0, 3), (0, 1)), ("k", "nan", (0, 0, 5), (0, 1)), ("k", "inf", (0, 0, 2), (0, 1)),
              ("v", "nan", (0, 1, 7), (1,)), ("v", "inf", (0, 1, 0), (1,)), ("g", "nan", (0, 1, 4), (1,)),
@@ -478,7 +479,7 @@ def fwd(inputs, kw):
 @pytest.mark.parametrize("in_op", [True, False], ids=["inop", "plain"])
 def test_nonfinite_causal_in_chunk(layout, in_op):
     """A NaN / inf at token t in k, v, g or beta of the second sequence (gate, l2norm, beta sigmoid in the op or
-    not): o before t bitwise as in the clean run (a bad gate: before t's 16-row block; in the block, within
+    not): o before t bitwise as in the clean run (a bad gate: before t's 32-row half; in the half, within
     rounding); o of the value heads it reaches NaN from t to the sequence's end; their final state of that
     sequence NaN; everything else (the other heads, the first sequence and its final state) bitwise clean.
     q (control): only o at t. g = -inf without the in-op gate: a full reset, finite."""

@@ -17,30 +17,37 @@ kernel needs far fewer, so it runs more programs per SM.
 
 Numerics. The pairwise decay exp2(gam_i - gam_j) (<= 1 for j <= i) is never formed as exp2(gam_i) *
 exp2(-gam_j) over a span where that can overflow (with the unsafe gate the per-step decay is unbounded).
-The pairs of different 16-row blocks are always taken exactly, by levels 32 and 64 of a binary split of the chunk
-(split_level): at level S each S-row segment pairs the rows of its second half with the columns of its first half
-in one dot per operand, factored around the segment's middle row (both factors <= 1 for any decay). For the pairs
-inside the four diagonal blocks, per K-block, chosen in the kernel from the data (no host sync):
-* fast (|gam_i - c(i)| <= span for every row i, c(i) the midpoint (gam_a + gam_b) / 2 of the first and last
-  rows of i's 16-row block, which halves the block's spread; span is common.SPAN_UNIT with the in-op l2norm,
-  whose rows enter the dots normalised, else common.SPAN): all four blocks in one tensor-core dot per operand,
-  factored around each block's midpoint (diagonal_dots): (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)); the
-  entries outside the blocks are discarded, those above the diagonal after the K loop. A K-block costs 4 exp2
-  tiles and 6 dots;
-* otherwise (a block spans more than span, e.g. strong decay without lower_bound) down the split: level 16, then
-  the same test and dots for the 8-row halves of the blocks; where that fails, level 8 and the 4-row quarters;
-  then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j, decay 1, which always
-  pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and per level two more
-  row loads (first and last rows) and a reduction for its test.
-With the in-op safe gate no block spans more than common.SPAN (common.bounded_gate): the kernel is then built
-without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no row of a
-32-row half is more than SPAN_UNIT from the half's midpoint: the fast path then takes the halves (DIAG = 32,
-diagonal_rows), and only level 64 of the split remains (4 dots per K-block).
+Per K-block, chosen in the kernel from the data (no host sync):
+* fast (every 16-row block of the chunk spans at most 2 span, gam_f - gam_l with f, l its first and last rows;
+  span is common.SPAN_UNIT with the in-op l2norm, whose rows enter the dots normalised, else common.SPAN; tested
+  first for the chunk's two 32-row halves as the blocks, which weak gates pass, with 2 blocks instead of 4; a test
+  that failed for a K-block is not tried again for the chunk's later K-blocks, which then start from the next
+  level down, as the channels of a head share its decay rate): every
+  pair j <= i by one tensor-core dot per operand and block of rows i, in place (group_dots):
+  (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)) for the columns j up to the block's last row, around
+  c = gam_l + span. Within the block all factors are in [2^-span, 2^span]; the factors of earlier columns are
+  at most 2^-span, and one that flushes to zero drops a term below 2^(span - 126) (none of any size where the
+  block spans at most span). A K-block costs 5 exp2 tiles, 8 dots and 1 tile of row loads (the blocks' last
+  rows, also the test's reference: group_delta);
+* otherwise (a block spans more than 2 span, e.g. strong decay without lower_bound) the pairs of different
+  blocks are taken exactly, by levels 32 and 64 of a binary split of the chunk (split_level): at level S each
+  S-row segment pairs the rows of its second half with the columns of its first half in one dot per operand,
+  factored around the segment's middle row (both factors <= 1 for any decay). Then down the split inside the
+  blocks: level 16, then the same test for the 8-row halves of the blocks, whose pairs take one dot per operand,
+  factored around each half's reference and masked to the halves (diagonal_dots); where that fails, level 8 and
+  the 4-row quarters; then level 4 and the 2-row pairs; at worst level 2 and single rows (the diagonal i == j,
+  decay 1, which always pass). Every path covers each pair j <= i once: 8, 10, 12 or 14 dots per K-block, and
+  per level one more row load (the segments' middle rows: the split's reference, and the first rows of the
+  second halves) and a reduction for its test.
+With the in-op safe gate no block spans more than 2 common.SPAN (common.bounded_gate): the kernel is then built
+without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no 32-row
+half spans more than 2 SPAN_UNIT: the fast path then takes the halves as its blocks (DIAG = 32,
+diagonal_rows; 4 dots per K-block).
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
-X <- D - (D L_off) X (a nilpotent series: exact). L and D are parked between phases in an fp32 scratch tensor
-of Tm's shape. All of this is fp32 (the inverse merges in tf32); the W, U dots are bf16 in the bf16 forward
-(below), tf32 otherwise.
+X <- D - (D L_off) X (a nilpotent series: exact). L and D stay in registers: the diagonal blocks are taken out
+of L and D is put back into a [64, 64] tile by reshapes. All of this is fp32 (the inverse merges in tf32); the
+W, U dots are bf16 in the bf16 forward (below), tf32 otherwise.
 Storage, two modes (``lowp``, see IntraOut):
 * forward and the backward's recompute (``lowp`` and bf16 inputs): Tm and W's right operand beta k exp2(gam)
   in bf16, so that W and U are bf16 dots (relative RMS error of o vs fp64: 2.38e-3 -> 2.90e-3);
@@ -97,8 +104,8 @@ INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOU
 @length_jit
 def chunk_kda_fwd_kernel_intra(
     q, k, g, beta, A_log, dt_bias,           # [B,T,H,K] x2, [B,T,HV,K], [B,T,HV], [HV], [HV*K]
-    gam, beta_act, Aqk, Tm, scr,             # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x3 (fp32; Aqk, Tm bf16 in a
-                                             #   bf16 forward; scr: fp32 scratch for L and D)
+    gam, beta_act, Aqk, Tm,                  # out: [B,T,HV,K], [B,T,HV], [B,T,HV,BT] x2 (fp32; bf16 in a bf16
+                                             #   forward)
     rq, rk,                                  # out (USE_L2NORM): [B,T,H] fp32 l2norm row factors
     kd, qg, kbg,                             # out: [B,T,HV,K] or (KD_T) [NT_total,HV,K,BT], [B,T,HV,K] x2
                                              #   (bf16 in a bf16 forward, else fp32)
@@ -112,7 +119,7 @@ def chunk_kda_fwd_kernel_intra(
 ):
     """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
     follow from Tm and kbg in chunk_kda_fwd_kernel_wu. SAVED_A (the backward, with the forward's Aqk and Tm
-    kept): only gam, beta, the l2norm factors, kd, qg and kbg; Aqk, Tm and scr are not touched."""
+    kept): only gam, beta, the l2norm factors, kd, qg and kbg; Aqk and Tm are not touched."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, i_c, bos, eos = chunk_bounds(i_t, cu_seqlens, chunk_indices, T, N, BT, IS_VARLEN)
@@ -139,7 +146,6 @@ def chunk_kda_fwd_kernel_intra(
     gam += t0 * sg + i_hv * K
     Aqk += t0 * sa + i_hv * BT
     Tm += t0 * sa + i_hv * BT
-    scr += t0 * sa + i_hv * BT
     qg += t0 * sg + i_hv * K
     kbg += t0 * sg + i_hv * K
     kd = kd_chunk(kd, i_t, t0, i_hv, HV, K, BT, KD_T)
@@ -191,6 +197,7 @@ def chunk_kda_fwd_kernel_intra(
     # q_i . k_j exp2(gam_i - gam_j) (j <= i) and k_i . k_j exp2(gam_i - gam_j) (j < i), every block in the
     # dot layout; entries above the diagonal are masked once after the K loop
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    lvl = tl.full((), 0, tl.int32)      # the fast path's first level to test (the K loop below)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     # q and k of K-block i_k + 1 are loaded while block i_k is worked on, as in the pass (gam is not: here the
     # kernel is at its register limit; two more tiles spill 16 bytes, which measured faster than waiting)
@@ -227,50 +234,85 @@ def chunk_kda_fwd_kernel_intra(
                 # a non-finite k element stays non-finite (its row factor is 0: 0 * inf and 0 * NaN are NaN)
                 b_q = b_q * b_rq[:, None]
                 b_k = b_k * b_rk[:, None]
-            # The diagonal 16-row blocks take one factored dot per operand when every |gam_i - c(i)| <= span in
-            # this K-block (c(i) the midpoint of i's block, midpoint_delta): the row factors exp2(gam_i - c) and the
-            # column factors exp2(c - gam_j) then stay in [2^-span, 2^span] (common.SPAN, SPAN_UNIT say why nothing
-            # overflows and what a flush costs). The test's loads and reduction are issued before the levels below.
-            # (DIAG = 32: the 32-row halves of the chunk, which the safe gate bounds; diagonal_rows)
-            b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, DIAG)                    # [BT, BK]
+            # Every pair by one factored dot per operand and 16-row block when every |gam_i - c(i)| <= span in this
+            # K-block (c(i) = gam_l + span, l the last row of i's block: group_delta): the row factors
+            # exp2(gam_i - c) and the column factors exp2(c - gam_j) of the block then stay in [2^-span, 2^span]
+            # (common.SPAN, SPAN_UNIT say why nothing overflows and what a flush costs). (DIAG = 32: the 32-row
+            # halves of the chunk, which the safe gate bounds; diagonal_rows)
             if BOUNDED:     # the safe gate bounds the span (common.bounded_gate): no test, no exact path
-                fast = True
+                b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, DIAG), o_t, Tc, span)  # [BT, BK]
+                b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc, span, DIAG,
+                                          BT, DOT_DT, PREC)
             else:
-                fast = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-            # pairs of different blocks, exact for any decay: levels 2 DIAG .. 64 of the binary split (split_level)
-            for up in tl.static_range(1, 3):
-                if (DIAG << up) <= BT:
-                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, DIAG << up,
-                                               BT, DOT_DT, PREC)
-            if fast:
-                b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, DIAG, DOT_DT, PREC)
-            else:
-                # down the split from level 16: each level S, then the same test for the S/2-row halves of its
-                # segments, whose pairs take one dot per operand where it passes (at S = 2 the halves are single
-                # rows, the diagonal i == j, where gam_i - gam_m(i) = 0). Every path covers each pair j <= i once.
-                go = True
-                for lv in range(4, 0, -1):
-                    if go:
-                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, 1 << lv,
-                                                   BT, DOT_DT, PREC)
-                        b_dm = midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, 1 << (lv - 1))
-                        if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
-                            b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, 1 << (lv - 1), DOT_DT,
-                                                         PREC)
-                            go = False
+                # The tests start from the level the previous K-block took (lvl: 0 the 32-row halves, 1 the 16-row
+                # blocks, 2 the exact path; 0 at the first K-block): a test that failed there is not tried again
+                # in the chunk (the channels of a head share its decay rate, so the next K-block mostly fails it too).
+                # The 32-row halves where both span at most 2 span (2 dots per operand), else the 16-row blocks
+                path = lvl
+                if path == 0:
+                    b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, 2 * BC), o_t, Tc, span)
+                    if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
+                        b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc,
+                                                  span, 2 * BC, BT, DOT_DT, PREC)
+                    else:
+                        path = tl.full((), 1, tl.int32)
+                if path == 1:
+                    b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC), o_t, Tc, span)
+                    if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
+                        b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc,
+                                                  span, BC, BT, DOT_DT, PREC)
+                    else:
+                        path = tl.full((), 2, tl.int32)
+                if path == 2:
+                    # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split
+                    # (split_level)
+                    for up in tl.static_range(1, 3):
+                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC << up, BC << (up - 1))
+                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC << up, BT, DOT_DT,
+                                                   PREC)
+                    # down the split from level 16: each level S, then the same test for the S/2-row halves
+                    # of its segments, whose pairs take one dot per operand where it passes (at S = 2 the halves
+                    # are single rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each
+                    # pair j <= i once. Level 16 is written out (its masks are constants; this is where most
+                    # blocks that fail the 16-row test pass): its halves are referred to their last rows
+                    # (group_delta, as the fast path's blocks). The levels below load two rows per segment, its
+                    # first row and its middle row (the split's reference and the first row of the second
+                    # half), and issue their test before the split's dots (level 16 issues it after them: in the
+                    # sm_90 build that spills less)
+                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
+                    b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC // 2), o_t, Tc, span)
+                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
+                    ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                    if ok:
+                        b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC // 2, DOT_DT,
+                                                     PREC)
+                    else:
+                        go = True
+                        for lv in range(3, 0, -1):
+                            if go:
+                                b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
+                                b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
+                                                segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
+                                b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
+                                ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                                b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT,
+                                                           DOT_DT, PREC)
+                                if ok:
+                                    b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t,
+                                                                 1 << (lv - 1), DOT_DT, PREC)
+                                    go = False
+                lvl = path
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
         # below the diagonal, a non-finite k_r (loaded as it is) makes row r and column r of Akk non-finite, and
         # nothing else: selected to 0, as a zeroed k_r would give (the inverse's dots would carry a NaN to every row
         # of the block, 0 * NaN); in Aqk such entries stay only at i >= r, rows that the W/U kernel turns to NaN
         b_akk = tl.where((o_t[None, :] < o_t[:, None]) & finite(b_akk), b_akk, 0.0)
-        # scale, beta: Aqk is stored; L = diag(beta) Akk is parked in the scratch
+        # scale, beta: Aqk is stored; L = diag(beta) Akk stays in registers
         b_aqk = b_aqk * f_scale
         b_akk = b_akk * b_beta[:, None]
         p_a = o_t[:, None] * sa + o_t[None, :]              # [BT, BT]
         tl.store(Aqk + p_a, b_aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
-        tl.store(scr + p_a, b_akk, mask=m_t[:, None])
-        tl.debug_barrier()
 
         # ---- Tm = (I + L)^-1. With Ld the diagonal 16x16 blocks of L, Lo the rest and D = (I + Ld)^-1:
         # I + L = (I + Ld)(I + D Lo) and D Lo is strictly block lower (nilpotent, 4 blocks), so
@@ -279,21 +321,17 @@ def chunk_kda_fwd_kernel_intra(
         # D = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8): six batched [NB, BC, BC] dots, three of them in sequence,
         # in place of 15 steps of forward substitution, each with two cross-warp reductions. The dots run as
         # tf32x3 (three tf32 products: about fp32 accuracy) for 16-bit inputs, IEEE fp32 for fp32 inputs.
+        # The blocks are taken out of L and put back into a [BT, BT] tile in registers (L's rows past Tc are zero:
+        # beta is zero there).
         o_b = tl.arange(0, BT // BC)
-        o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]                  # [NB, BC, 1] row in the chunk
-        o_c3 = o_b[:, None, None] * BC + o_c[None, None, :]                  # [NB, 1, BC] column in the chunk
-        p_d3 = o_r3 * sa + o_c3                                              # [NB, BC, BC]
-        m_d3 = (o_r3 < Tc) & (o_c3 < BT)                                    # [NB, BC, BC] valid rows
-        b_ld = tl.load(scr + p_d3, mask=m_d3, other=0.0)                      # [NB, BC, BC] Ld
+        m_b4 = (o_b[:, None, None, None] == o_b[None, None, :, None])          # [NB, 1, NB, 1] same block
+        b_ld = tl.sum(tl.where(m_b4, tl.reshape(b_akk, [BT // BC, BC, BT // BC, BC]), 0.0), axis=2)  # [NB, BC, BC]
         b_d = tl.where(o_c[None, :, None] == o_c[None, None, :], 1.0, 0.0) - b_ld    # [NB, BC, BC] I - Ld
         b_n = b_ld
         for _ in range(3):
             b_n = tl.dot(b_n, b_n, input_precision=INV_PREC)                # Ld^2, Ld^4, Ld^8
             b_d += tl.dot(b_d, b_n, input_precision=INV_PREC)
-        tl.debug_barrier()                                  # every thread has read Ld
-        tl.store(scr + p_d3, b_d, mask=m_d3)
-        tl.debug_barrier()
-        b_dd = tl.load(scr + p_a, mask=m_t[:, None] & m_blk, other=0.0)      # [BT, BT] D, block diagonal
+        b_dd = tl.reshape(tl.where(m_b4, b_d[:, :, None, :], 0.0), [BT, BT])    # [BT, BT] D, block diagonal
         # [BT, BT] @ [BT, BT] -> [BT, BT]
         b_m = tl.dot(b_dd, tl.where(m_blk, 0.0, b_akk), input_precision=PREC)
         b_tm = b_dd
@@ -317,22 +355,71 @@ chunk_kda_fwd_kernel_intra_rerun = triton.autotune(
 
 
 @triton.jit
-def midpoint_delta(b_g, gam, o_t, o_k, m_tk, sg, Tc, R):
-    """[BT, BK] gam_i - c(i), c(i) = (gam_a + gam_b) / 2 the midpoint of the first row a and the last row b of i's
-    R-row block (rows past Tc - 1 taken as Tc - 1); 0 on rows past Tc. gam does not increase along the chunk, so
-    c(i) halves the block's spread: max |gam_i - c(i)| = (gam_a - gam_b) / 2, where a reference row of the block
-    leaves up to R // 2 steps on one side. b_g: the K-block's gam rows."""
-    o_a = tl.minimum((o_t // R) * R, Tc - 1)
-    o_b = tl.minimum((o_t // R) * R + (R - 1), Tc - 1)
-    b_ga = tl.load(gam + o_a[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-    b_gb = tl.load(gam + o_b[:, None] * sg + o_k[None, :], mask=m_tk, other=0.0)
-    return b_g - 0.5 * (b_ga + b_gb)
+def segment_rows(gam, o_t, o_k, m_k, sg, Tc, R, OFF):
+    """[BT, BK] the K-block's gam at row (i // R) * R + OFF of each row i's R-row segment, 0 where that row is past
+    Tc - 1 or past K."""
+    o_r = (o_t // R) * R + OFF
+    return tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def anchor_delta(b_g, b_gf, o_t, Tc, span):
+    """[BT, BK] gam_i - c(i), c(i) = gam_f - span, f the first row of i's block (b_gf, segment_rows with OFF 0);
+    0 on rows past Tc. gam does not increase along the chunk, so |gam_i - c(i)| <= span for every row of a block
+    exactly when the block spans at most 2 span (gam_f - gam_last), the same condition as around the midpoint of
+    its first and last rows, from one row instead of two; and any increase of gam from f on fails it (b_g: the
+    K-block's gam rows)."""
+    return tl.where((o_t < Tc)[:, None], b_g - b_gf + span, 0.0)
+
+
+@triton.jit
+def last_rows(gam, o_t, o_k, m_k, sg, Tc, R):
+    """[BT, BK] the K-block's gam at the last row of each row i's R-row group, or at row Tc - 1 where the group
+    ends past it; 0 past K."""
+    o_r = tl.minimum((o_t // R) * R + R - 1, Tc - 1)
+    return tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=m_k[None, :], other=0.0)
+
+
+@triton.jit
+def group_delta(b_g, b_gl, o_t, Tc, span):
+    """[BT, BK] gam_i - c(i), c(i) = gam_l + span, l the last row of i's group (b_gl, last_rows); 0 on rows past
+    Tc. gam does not increase along the chunk, so |gam_i - c(i)| <= span for every row of a group exactly when
+    the group spans at most 2 span (gam_f - gam_l, f its first row), the same condition as around the midpoint of
+    its first and last rows, from one row instead of two; and any increase of gam towards l fails it."""
+    return tl.where((o_t < Tc)[:, None], b_g - b_gl - span, 0.0)
+
+
+@triton.jit
+def group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc, span, R: tl.constexpr,
+               BT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """Every pair j <= i of the chunk, one dot per operand for each R-row group of rows i (in place, no mask),
+    where every group spans at most 2 span: (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)) for the rows i of the
+    group and the columns j up to its last row l, around c = gam_l + span (b_dm = gam_i - c(i), group_delta).
+    Within the group every exponent is then in [-span, span], so nothing overflows or flushes. The row factors are
+    at most 2^(gam_f - gam_l - span) (f the group's first row); a column before the group whose factor flushes to
+    zero drops a term below 2^(gam_f - gam_l - span - 126) |x_i| |k_j|: none of any size where the group spans at
+    most span, at most 2^(span - 126) |x_i| |k_j| otherwise (the fast path's bound, common.SPAN_UNIT). Columns
+    past the group are clamped to 2^span and make entries above the diagonal only, which the caller discards after
+    the K loop. gam: the chunk's first row of gam, row stride sg. Returns b_aqk, b_akk."""
+    b_e = tl.exp2(b_dm)                                                 # [BT, BK] exp2(gam_i - c(i))
+    b_qe = (b_q * b_e).to(DOT_DT)
+    b_ke = (b_k * b_e).to(DOT_DT)
+    for grp in tl.static_range(BT // R):
+        # [BK] c (a group past the chunk's end has zero rows: any row's value will do)
+        b_c = tl.load(gam + tl.minimum(grp * R + R - 1, Tc - 1) * sg + o_k, mask=m_k, other=0.0) + span
+        m_r = ((o_t // R) == grp)[:, None]                              # [BT, 1] the group's rows
+        # [BK, BT] k_j exp2(c - gam_j)
+        b_kc = tl.trans((b_k * tl.exp2(tl.minimum(b_c[None, :] - b_g, span))).to(DOT_DT))
+        # [BT, BK] @ [BK, BT] -> [BT, BT]
+        b_aqk = tl.dot(tl.where(m_r, b_qe, 0.0).to(DOT_DT), b_kc, b_aqk, input_precision=PREC)
+        b_akk = tl.dot(tl.where(m_r, b_ke, 0.0).to(DOT_DT), b_kc, b_akk, input_precision=PREC)
+    return b_aqk, b_akk
 
 
 @triton.jit
 def diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, R, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's midpoint c:
-    (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)), b_dm = gam_i - c(i) (midpoint_delta) within the span.
+    """The pairs inside the diagonal R-row blocks in one dot per operand, factored around each block's reference c:
+    (x_i exp2(gam_i - c)) . (k_j exp2(c - gam_j)), b_dm = gam_i - c(i) (anchor_delta) within the span.
     Entries outside the blocks are discarded here (their factors' product may overflow), those above the diagonal
     by the caller after the K loop. Returns b_aqk, b_akk with the K-block's sums added."""
     m_blk = (o_t[:, None] // R) == (o_t[None, :] // R)                  # [BT, BT] same diagonal block
@@ -345,18 +432,17 @@ def diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, R, DOT_DT: tl.constexpr, PR
 
 
 @triton.jit
-def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: tl.constexpr,
-                DOT_DT: tl.constexpr, PREC: tl.constexpr):
+def split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gr, o_t, S, BT: tl.constexpr, DOT_DT: tl.constexpr,
+                PREC: tl.constexpr):
     """One level of the binary split of a chunk's pairs j < i: in each S-row segment, the rows i of its second
     half against the columns j of its first half, factored around the segment's middle row R (j < R <= i):
     exp2(gam_i - gam_j) = exp2(gam_i - gam_R) exp2(gam_R - gam_j), both factors <= 1 whatever the decay (gam
     does not increase: g <= 0 is the op's contract; written exp2(-|gam - gam_R|), so on this path a net
     increase of gam, from g > 0, would be taken as the same decrease). b_q, b_k, b_g: the K-block's [BT, BK]
-    rows (zero past Tc). Returns b_aqk and b_akk with the sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j)
+    rows (zero past Tc); b_gr: gam at the middle row of each row's segment (segment_rows). Returns b_aqk and b_akk
+    with the sums (q_i e_i) . (k_j e_j) and (k_i e_i) . (k_j e_j)
     over the K-block added at those pairs only (at S = BT the dots make no others and accumulate in place). A
     factor that flushes to zero stands for a true product below 2^-126."""
-    o_r = (o_t // S) * S + S // 2                                   # [BT] middle row of each row's segment
-    b_gr = tl.load(gam + o_r[:, None] * sg + o_k[None, :], mask=(o_r < Tc)[:, None] & m_k[None, :], other=0.0)
     b_e = tl.exp2(-tl.abs(b_g - b_gr))                              # [BT, BK]
     m_hi = ((o_t % S) >= S // 2)[:, None]                          # [BT, 1] rows in the second half
     b_kc = tl.trans(tl.where(m_hi, 0.0, b_k * b_e).to(DOT_DT))    # [BK, BT] columns of the first half
@@ -375,8 +461,8 @@ def split_level(b_aqk, b_akk, b_q, b_k, b_g, gam, o_t, o_k, m_k, sg, Tc, S, BT: 
 def diagonal_rows(opts: KDAOptions) -> int:
     """The rows of the diagonal blocks that the forward intra kernel takes by one factored dot per operand on its
     fast path: the chunk's 32-row halves (2 BC) when the in-op safe gate and the in-op l2norm bound every half within
-    SPAN_UNIT of its midpoint whatever the inputs (each step's log decay in [lower_bound, 0], at most (2 BC - 1) / 2
-    steps from the midpoint: lower_bound >= -112 / (15.5 log2(e)) = -5.0085), else its 16-row blocks (BC).
+    2 SPAN_UNIT whatever the inputs (each step's log decay in [lower_bound, 0], 2 BC - 1 steps from its first row to
+    its last: lower_bound >= -224 / (31 log2(e)) = -5.0085), else its 16-row blocks (BC).
     With halves a K-block takes 4 dots instead of 6 (the split's level 32 is not needed). From the options alone."""
     return 2 * BC if opts.use_qk_l2norm and bounded_gate(opts, SPAN_UNIT, (2 * BC - 1) / 2) else BC
 
@@ -446,14 +532,13 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
         rq=torch.empty(B, T, H, dtype=f32, device=dev) if opts.use_qk_l2norm else None,
         rk=torch.empty(B, T, H, dtype=f32, device=dev) if opts.use_qk_l2norm else None,
     )
-    # transient: the scratch of the inverse, and W's right operand beta k exp2(gam)
+    # transient: W's right operand beta k exp2(gam)
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
-    scr = absent(None, q) if saved is not None else torch.empty(B, T, HV, BT, dtype=f32, device=dev)
     gate = gate_args(x, opts)
     kernel = chunk_kda_fwd_kernel_intra if saved is None else chunk_kda_fwd_kernel_intra_rerun
     wrap_triton(kernel)[(idx.NT_total, HV)](
         q, k, x.g, x.beta, absent(gate.A_log, q), absent(gate.dt_bias, q),
-        out.gam, out.beta, out.Aqk, out.Tm, scr, absent(out.rq, q), absent(out.rk, q),
+        out.gam, out.beta, out.Aqk, out.Tm, absent(out.rq, q), absent(out.rk, q),
         out.kd, out.qg, kbg,
         absent(idx.cu_seqlens, q), absent(idx.chunk_indices, q),
         float(opts.scale), gate.lower_bound, T, idx.N,
