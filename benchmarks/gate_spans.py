@@ -2,14 +2,14 @@
 
 Both intra-chunk kernels choose, per K-block, between the fast factored dots and the exact path from the data
 (docs/algorithm.md): fast when every row's log2 decay from the midpoint of its 16-row block's first and last rows
-stays within a span, SPAN_UNIT with the in-op l2norm (which every regime here uses). The forward tests the four
-blocks of a chunk at once (a tile is a chunk, value head and K-block); the backward, one program per 16-row
-block, tests that block alone (a tile is a block, value head and K-block; its other bound, on the gradients,
-is not drawn here). Without the in-op l2norm both take SPAN. This script draws the benchmark's inputs
-(kda_ops.testing.make_inputs) on the CPU, activates the gate as the op does, and counts the tiles that pass each
-test. The forward's exact path goes down the binary split and takes the diagonal pairs by one dot per operand at
-the first block size (16, 8, 4 rows, else single rows) whose test passes: the second table gives the share of
-tiles at each size.
+stays within a span (the forward tests the same condition from each block's last row), SPAN_UNIT with the in-op
+l2norm (which every regime here uses). The forward tests the four blocks of a chunk at once (a tile is a chunk,
+value head and K-block); the backward, one program per 16-row block, tests that block alone (a tile is a block,
+value head and K-block; its other bound, on the gradients, is not drawn here). Without the in-op l2norm both take
+SPAN. This script draws the benchmark's inputs (kda_ops.testing.make_inputs) on the CPU, activates the gate as the
+op does, and counts the tiles that pass each test. The forward's exact path goes down the binary split and takes the
+diagonal pairs by one dot per operand at the first block size (16, 8, 4 rows, else single rows) whose test passes:
+the second table gives the share of tiles at each size.
 No GPU needed.
 
     python benchmarks/gate_spans.py --shape 1,8192,32,128
