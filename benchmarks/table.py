@@ -5,7 +5,8 @@
 
 For each (shape, regime, mode) the table shows the latest kda_ops row and the FLA row of the same run (same
 date and commit): both times, the speed-up (FLA ms / kda_ops ms) and the peak extra memory as a fraction of
-FLA's. Regimes without rows are absent. Standard library only.
+FLA's. Regimes without rows are absent. Where the rows come from more than one GPU, each row names its GPU.
+Standard library only.
 """
 from __future__ import annotations
 
@@ -74,15 +75,17 @@ def render(rows):
     for gpu, torch_v, triton_v, fla_v in runs:
         lines.append(f"{gpu}, torch {torch_v}, triton {triton_v}" + (f", FLA {fla_v}" if fla_v else "") +
                      "; bf16, gate + q/k l2norm + beta sigmoid inside the op.")
-    lines += ["",
-              "| B, T, H, K, V | gate regime | pass | kda_ops ms | FLA ms | speed-up vs FLA | peak memory vs FLA |",
-              "|---|---|---|---|---|---|---|"]
+    per_gpu = len({r["gpu"] for _, r, _ in sel}) > 1     # rows of several GPUs: each row names its GPU
+    cols = ["B, T, H, K, V", "gate regime", "pass"] + (["GPU"] if per_gpu else []) + [
+        "kda_ops ms", "FLA ms", "speed-up vs FLA", "peak memory vs FLA"]
+    lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for (shape, regime, mode), ours, peer in sel:
         fla_ms = f"{float(peer['ms']):.3f}" if peer else "-"
         speed = _ratio(peer["ms"], ours["ms"], "{:.2f}x") if peer else "-"
         mem = _ratio(ours["peak_extra_mib"], peer["peak_extra_mib"], "{:.2f}") if peer else "-"
-        lines.append(f"| {', '.join(map(str, shape))} | {regime} | {MODE_NAME.get(mode, mode)} | "
-                     f"{float(ours['ms']):.3f} | {fla_ms} | {speed} | {mem} |")
+        cells = [", ".join(map(str, shape)), regime, MODE_NAME.get(mode, mode)] + ([ours["gpu"]] if per_gpu else [])
+        cells += [f"{float(ours['ms']):.3f}", fla_ms, speed, mem]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

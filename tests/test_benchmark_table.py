@@ -69,6 +69,18 @@ def test_latest_row_wins_on_equal_dates():
     assert "| 1, 64, 2, 16, 16 | weak | forward | 0.750 | 1.500 | 2.00x | 0.50 |" in out
 
 
+def test_rows_of_two_gpus_name_their_gpu():
+    extra = ("2026-01-04,ddddddd,GPU Y,2.11,3.6,0.6.0,kda_ops,fwd,weak,1,64,2,16,16,0.8000,10.0\n"
+             "2026-01-04,ddddddd,GPU Y,2.11,3.6,0.6.0,fla,fwd,weak,1,64,2,16,16,2.0000,20.0\n")
+    lines = table.render(_rows(FIXTURE + extra)).splitlines()
+    assert "GPU Y, torch 2.11, triton 3.6, FLA 0.6.0; bf16, gate + q/k l2norm + beta sigmoid inside the op." in lines
+    assert "| B, T, H, K, V | gate regime | pass | GPU | kda_ops ms | FLA ms | speed-up vs FLA | peak memory vs FLA |" \
+        in lines
+    assert "| 1, 64, 2, 16, 16 | weak | forward | GPU Y | 0.800 | 2.000 | 2.50x | 0.50 |" in lines
+    assert "| 1, 64, 2, 16, 16 | strong | fwd + bwd | GPU X | 4.000 | 5.000 | 1.25x | 0.75 |" in lines
+    assert "|" + "---|" * 8 in lines
+
+
 def test_update_replaces_between_markers_only():
     readme = f"intro\n{table.START}\nold table\n{table.END}\noutro\n"
     assert table.update(readme, "new\n") == f"intro\n{table.START}\nnew\n{table.END}\noutro\n"
