@@ -95,20 +95,40 @@ def test_fwd_vs_recurrence(i):
     assert rel_rms(ht, rht) <= TOL[c.dtype], rel_rms(ht, rht)
 
 
+def widest_blocks(g, seqlens, span, levels=(16, 8, 4, 2, 1)):
+    """{K-block: set of R}: for each 64-token chunk of each sequence, value head and 32-channel K-block of the log
+    decay g [1, T, HV, K] (natural log units), the widest R of `levels` whose R-row blocks of the chunk all span at
+    most 2 span in log2 units (gam of the first row less gam of the last): the intra kernel's test for taking a
+    block's pairs by one dot per operand (1, single rows, always passes)."""
+    out, t0 = {}, 0
+    for n in seqlens:
+        for c0 in range(t0, t0 + n, 64):
+            gam = torch.cumsum(g[0, c0:min(c0 + 64, t0 + n)].double(), 0) / math.log(2)       # [rows, HV, K]
+            for kb in range(0, g.shape[-1], 32):
+                blk = gam[..., kb:kb + 32]
+                out.setdefault(kb // 32, set()).add(next(R for R in levels if all(
+                    (blk[i] - blk[min(i + R, len(blk)) - 1]).max() <= 2 * span for i in range(0, len(blk), R))))
+        t0 += n
+    return out
+
+
 @interpreter_only
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm_in_op", "normalised"])
-@pytest.mark.parametrize("decay", [7.0, 14.0, 21.0, 45.0], ids=["d10", "d20", "d30", "d65"])
+@pytest.mark.parametrize("decay", [7.0, 14.0, 21.0, 45.0, 100.0], ids=["d10", "d20", "d30", "d65", "d144"])
 def test_fwd_wide_span(l2norm, decay):
-    """A log decay of d .. d + 0.5 nats per token (10.1 - 10.8, 20.2 - 20.9, 30.3 - 31.0 or 64.9 - 65.6 in log2),
-    every path of the intra kernel's diagonal blocks. A b-row block spans about b/2 steps from its middle row;
-    with the in-op l2norm the test is common.SPAN_UNIT (112), without it common.SPAN (60), so the diagonal pairs
-    go by one dot per 16-row block at d10 with l2norm (factors up to 2^87; entries outside the blocks overflow
-    and are discarded), per 8-row block at d10 without and d20 with, per 4-row block at d20 without and d30
-    with, per 2-row block at d30 without and d65 with, and by single rows at d65 without."""
+    """A log decay of d .. d + 0.5 nats per token (10.1 - 10.8, 20.2 - 20.9, 30.3 - 31.0, 64.9 - 65.6 or
+    144.3 - 145.0 in log2): every path of the intra kernel's diagonal blocks. A block passes the test when its first
+    and last rows' gam differ by at most 2 span, span being common.SPAN_UNIT (112) with the in-op l2norm and
+    common.SPAN (60) without, so the diagonal pairs go by one dot per 16-row block at d10 with l2norm (factors up to
+    2^87; entries outside the blocks overflow and are discarded), per 8-row block at d10 without and at d20 and d30
+    with, per 4-row block at d20 and d30 without and d65 with, per 2-row block at d65 without and d144 with, and by
+    single rows at d144 without (widest_blocks checks these levels on the inputs)."""
     c = Case(B=1, T=150, H=1, HV=2, K=32, V=16, in_op=True, l2norm=l2norm, seqlens=[64, 86],
              dtype=torch.float32)
     g = -(decay + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(5),
                                    dtype=torch.float64))
+    level = {7.0: (16, 8), 14.0: (8, 4), 21.0: (8, 4), 45.0: (4, 2), 100.0: (2, 1)}[decay][0 if l2norm else 1]
+    assert widest_blocks(g, c.seqlens, 112.0 if l2norm else 60.0) == {0: {level}}
     over = dict(use_gate_in_kernel=False, A_log=None, dt_bias=None)
     (o, ht), (ro, rht) = run_case(c, over, seed=7, g=g)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -121,11 +141,15 @@ def test_fwd_wide_span(l2norm, decay):
                          ids=["strong_first", "weak_first", "mixed"])
 def test_fwd_kblocks_on_different_paths(decays):
     """K = 128 in four K-blocks of 32 channels, each with its own log decay per token (d .. d + 0.5 nats): the intra
-    kernel takes a different path for each K-block of a chunk (45: single rows or 2-row blocks, 14: 8-row blocks,
-    7: 16-row blocks, 0.3: the fast path's widest blocks), in three orders, against the fp64 recurrence."""
+    kernel takes a different path for the K-blocks of a chunk (45: 4-row blocks, 14: 8-row blocks, 7 and 0.3:
+    16-row blocks, the fast path; 0.3 also passes the test for 32-row blocks), in three orders, against the fp64
+    recurrence."""
     c = Case(B=1, T=150, H=1, HV=2, K=128, V=16, in_op=True, seqlens=[64, 86], dtype=torch.float32)
     d = torch.tensor(decays, dtype=torch.float64).repeat_interleave(32)
     g = -(d + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    level = {45.0: 4, 14.0: 8, 7.0: 16, 0.3: 16}
+    assert widest_blocks(g, c.seqlens, 112.0) == {kb: {level[dk]} for kb, dk in enumerate(decays)}
+    assert widest_blocks(g, c.seqlens, 112.0, (32, 1))[decays.index(0.3)] == {32}
     over = dict(use_gate_in_kernel=False, A_log=None, dt_bias=None)
     (o, ht), (ro, rht) = run_case(c, over, seed=11, g=g)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -582,8 +606,8 @@ def test_gate_scale_not_finite(a_log, lower_bound):
 def test_nan_backward_not_finite(name, in_op, layout):
     """Backward (recompute, and with the forward's saved Aqk, Tm) with a NaN at token t of the second sequence:
     every gradient entry that autograd through the fp64 recurrence makes NaN (for k, g, beta: dk, dv, dg, dbeta
-    at tokens <= t, dh0 of the sequence; dq from t on) is not finite here either (more NaN entries than the recurrence's are allowed); the
-    first sequence's gradients and dh0 stay bitwise those of the clean run."""
+    at tokens <= t, dh0 of the sequence; dq from t on) is not finite here either (more NaN entries than the
+    recurrence's are allowed); the first sequence's gradients and dh0 stay bitwise those of the clean run."""
     from kda_case import reference_grads
     from kda_ops.kernels import chunk_index, chunk_kda_bwd_triton, chunk_kda_fwd_triton
     inputs, kw, seqlens, t = causal_case(layout, in_op)
@@ -629,4 +653,5 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    assert f"{len(CASES) + 8 + 3 + 3 + 3 + 5 + 10 + 2 + 1 + 2 + 4 + 2 + 2 + 6 + 16} passed" in r.stdout, r.stdout[-2000:]
+    count = len(CASES) + 10 + 3 + 3 + 3 + 5 + 10 + 2 + 1 + 2 + 4 + 2 + 2 + 6 + 16
+    assert f"{count} passed" in r.stdout, r.stdout[-2000:]
