@@ -7,9 +7,11 @@ l2norm (which every regime here uses). The forward tests the four blocks of a ch
 value head and K-block); the backward, one program per 16-row block, tests that block alone (a tile is a block,
 value head and K-block; its other bound, on the gradients, is not drawn here). Without the in-op l2norm both take
 SPAN. This script draws the benchmark's inputs (kda_ops.testing.make_inputs) on the CPU, activates the gate as the
-op does, and counts the tiles that pass each test. The forward's exact path goes down the binary split and takes the
-diagonal pairs by one dot per operand at the first block size (16, 8, 4 rows, else single rows) whose test passes:
-the second table gives the share of tiles at each size.
+op does, and counts the tiles that pass each test. The second table follows the forward's choice: the chunk's
+32-row halves, else its 16-row blocks, else the exact path, which goes down the binary split and takes the
+diagonal pairs by one dot per operand at the first block size (8, 4 rows, else single rows) whose test passes;
+a level that failed for a K-block is not tried for the chunk's later K-blocks. It gives the share of tiles at
+each. (With the in-op safe gate the kernels are built without the tests: common.bounded_gate.)
 No GPU needed.
 
     python benchmarks/gate_spans.py --shape 1,8192,32,128
@@ -51,13 +53,20 @@ def fast_shares(g: torch.Tensor, block_k: int, span: float = SPAN_UNIT.value, re
 
 
 def forward_tiers(g: torch.Tensor, block_k: int, span: float = SPAN_UNIT.value) -> tuple:
-    """Shares of the tiles whose diagonal pairs the forward takes by one dot per operand over 16-, 8- and 4-row
-    blocks, and of those it splits down to single rows (g as for fast_shares; they sum to 1)."""
-    passes = [(spreads(g, block_k, rows, "midpoint").amax(dim=2) <= span) for rows in (BC, BC // 2, BC // 4)]
-    shares, taken = [], torch.zeros_like(passes[0])
-    for p in passes:
-        shares.append((p & ~taken).float().mean().item())
-        taken |= p
+    """Shares of the tiles that the forward takes by one dot per operand over the chunk's 32-row halves, over its
+    16-row blocks, and on the exact path with the diagonal pairs over 8- and 4-row blocks or down to single rows
+    (g as for fast_shares; they sum to 1). As in the kernel, the K-blocks of a chunk go in order and a test that
+    failed for one is not tried again for the later ones: a K-block starts from the level (halves, 16-row blocks,
+    exact) the one before it took; on the exact path the 8- and 4-row tests are taken anew per K-block."""
+    passes = [spreads(g, block_k, rows, "midpoint").amax(dim=2) <= span for rows in (2 * BC, BC, BC // 2, BC // 4)]
+    # [B, NT, HV, NK] level of each K-block: 0 halves, 1 16-row blocks, 2 exact; then the running maximum over K
+    level = torch.where(passes[0], 0, torch.where(passes[1], 1, 2)).cummax(dim=-1).values
+    exact = level == 2
+    shares = [(level == 0).float().mean().item(), (level == 1).float().mean().item()]
+    taken = ~exact
+    for p in passes[2:]:
+        shares.append((exact & p & ~taken).float().mean().item())
+        taken = taken | p
     return tuple(shares) + ((~taken).float().mean().item(),)
 
 
@@ -79,9 +88,9 @@ def main() -> None:
         for bk in a.block_k:
             shares = fast_shares(g, bk) + fast_shares(g, bk, SPAN.value)
             print(f"| {regime} | {bk} | " + " | ".join(f"{s:.3f}" for s in shares) + " |")
-    print(f"\n| regime | BK | forward at SPAN_UNIT = {SPAN_UNIT.value:g}: one dot per 16-row block | per 8-row | "
-          f"per 4-row | single rows |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| regime | BK | forward at SPAN_UNIT = {SPAN_UNIT.value:g}: one dot per 32-row half | per 16-row "
+          f"block | exact, per 8-row | per 4-row | single rows |")
+    print("|---|---|---|---|---|---|---|")
     for regime, g in gates.items():
         for bk in a.block_k:
             print(f"| {regime} | {bk} | " + " | ".join(f"{s:.3f}" for s in forward_tiers(g, bk)) + " |")

@@ -65,16 +65,29 @@ def test_midpoint_halves_the_spread():
     assert spans.fast_shares(g, 16) == (1.0, 1.0)
 
 
-@pytest.mark.parametrize("row, tiers", [(40, (0.5, 0.5, 0.0, 0.0)), (44, (0.5, 0.0, 0.5, 0.0)),
-                                        (41, (0.5, 0.0, 0.0, 0.5))])
-def test_forward_tiers(row, tiers):
-    # one step of 180 nats (260 in log2: 130 from the midpoint of any block it falls in, past SPAN_UNIT) at `row`
-    # of every chunk, channel 0 only. At row 40 it falls between the halves of 16-row block 2 (rows 32-47): 8-row
-    # blocks do not see it. At row 44, between the halves of the 8-row block 40-47: 4-row blocks do not see it.
-    # At row 41 a 4-row block (40-43) does.
+@pytest.mark.parametrize("rows, channel, tiers", [
+    ((40,), 0, (0.0, 0.0, 1.0, 0.0, 0.0)), ((44,), 0, (0.0, 0.0, 0.5, 0.5, 0.0)),
+    ((41,), 0, (0.0, 0.0, 0.5, 0.0, 0.5)), ((40,), 16, (0.5, 0.0, 0.5, 0.0, 0.0))])
+def test_forward_tiers(rows, channel, tiers):
+    # one step of 180 nats (260 in log2: past twice SPAN_UNIT, 224) at each of `rows` of every chunk, in one channel:
+    # its 32-row half and 16-row block fail. At row 40 it falls between the halves of 16-row block 2 (rows 32-47):
+    # 8-row blocks do not see it. At row 44, between the halves of the 8-row block 40-47: 4-row blocks do not see
+    # it. At row 41 a 4-row block (40-43) does. Channel 0 is in K-block 0 (BK 16): K-block 1, whose own tests would
+    # pass, follows it onto the exact path, where its 8-row test passes; channel 16 (K-block 1) leaves K-block 0 on
+    # the halves
     g = torch.zeros(1, 128, 2, 32)
-    g[:, row::64, :, 0] = -180.0
-    assert spans.forward_tiers(g, 16) == pytest.approx(tiers)    # K-block 1 of each chunk: one 16-row dot
+    for row in rows:
+        g[:, row::64, :, channel] = -180.0
+    assert spans.forward_tiers(g, 16) == pytest.approx(tiers)
+
+
+def test_forward_tiers_16_row_blocks():
+    # two steps of 100 nats (144 in log2) in one 32-row half (rows 36 and 52), one in each of its 16-row blocks:
+    # the half spans 288, past 224, each block 144; K-block 1 (no steps) follows K-block 0 to the 16-row blocks
+    g = torch.zeros(1, 128, 2, 32)
+    g[:, 36::64, :, 0] = -100.0
+    g[:, 52::64, :, 0] = -100.0
+    assert spans.forward_tiers(g, 16) == pytest.approx((0.0, 1.0, 0.0, 0.0, 0.0))
 
 
 @pytest.mark.parametrize("lower_bound", [-1.0, -5.0, -5.19, -5.21, -8.0])
