@@ -43,12 +43,18 @@ OUT = None   # the folder of the cubins, made at the first build
 target = GPUTarget("cuda", 90, 32)
 cuobj = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump')
 
-def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
-    """Compile jf for sm_90: names / types of its runtime arguments, consts its constexprs; print one line."""
-    sig = dict(zip(names, types), **{kk: 'constexpr' for kk in consts})
+def args(ty, names):
+    """{name: ty} for each of the space-separated names: a piece of comp's types."""
+    return dict.fromkeys(names.split(), ty)
+
+
+def comp(jf, types, consts, num_warps, num_stages, tag, maxnreg=None):
+    """Compile jf for sm_90 and print one line: types maps each runtime argument of jf's signature to its Triton
+    type (a name jf does not take is ignored), consts its constexprs."""
     fn = jf
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
+    sig = {nm: 'constexpr' if nm in consts else types[nm] for nm in fn.arg_names}
     attrs = {(fn.arg_names.index(nm),): [['tt.divisibility', 16]] for nm, ty in sig.items() if ty.startswith('*')}
     t = time.time()
     try:
@@ -63,7 +69,8 @@ def comp(jf, names, types, consts, num_warps, num_stages, tag, maxnreg=None):
     open(path, 'wb').write(k.asm['cubin'])
     out = subprocess.run([cuobj, '-res-usage', path], capture_output=True, text=True).stdout
     res = [l.strip() for l in out.splitlines() if 'REG' in l]
-    print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)", flush=True)
+    print(f"  {tag}: shared {k.metadata.shared} {res} mnA16 {mn_a16(k.asm['ttgir'])} ({time.time()-t:.1f}s)",
+          flush=True)
     if SASS:
         insts = sass_insts(subprocess.run([cuobj, '-sass', path], capture_output=True, text=True).stdout)
         print(f"    sass {sass_counts(insts)}; {libdevice_calls(k.asm['ptx'])}", flush=True)
@@ -163,81 +170,82 @@ def mn_a16(ttgir):
 def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, maxnreg=None, **flags):
     """The Aqk / inverse kernel. wdt: storage dtype of Aqk (bf16: the forward's lowp mode; fp32: the recompute)."""
     wdt = wdt or dt
-    names = ['q','k','g','beta','A_log','dt_bias','gam','beta_act','Aqk','Tm','rq','rk','kd','qg','kbg','cu_seqlens','chunk_indices','scale','lower_bound','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*4 + ['*fp32']*2 + ['*fp32']*2 + [f'*{wdt}']*2 + ['*fp32']*2 + [f'*{wdt}']*3 + ['*i32','*i32','fp32','fp32','i32','i32','i32','i32','i32']
+    types = {**args(f'*{dt}', 'q k g beta'), **args('*fp32', 'A_log dt_bias gam beta_act rq rk'),
+             **args(f'*{wdt}', 'Aqk Tm kd qg kbg'), **args('*i32', 'cu_seqlens chunk_indices'),
+             **args('fp32', 'scale lower_bound'), **args('i32', 'T N H HV TUNE_SIZE')}
     c = dict(K=K, BT=64, BC=16, BK=BK,
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
-             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=dt!='fp32',
-             INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False, BOUNDED=False, DIAG=16)
+             USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32',
+             LOWP_DOT=dt!='fp32', INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False,
+             BOUNDED=False, DIAG=16)
     c.update(flags)
     tag = ('_saved' if c['SAVED_A'] else '') + ('_bounded' if c['BOUNDED'] else '') + f"_diag{c['DIAG']}"
     tag += f'_r{maxnreg}' if maxnreg else ''
-    comp(chunk_kda_fwd_kernel_intra, names, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}", maxnreg)
+    comp(chunk_kda_fwd_kernel_intra, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}", maxnreg)
 
 
 def wu(dt='bf16', K=128, V=128, w=4, s=1, BK=32, wdt=None):
     """The W / U kernel. wdt as for intra."""
     wdt = wdt or dt
-    names = ['v','beta_act','Tm','kbg','W','U','qg','kd','gam','beta','cu_seqlens','chunk_indices','T','N','HV','TUNE_SIZE']
-    types = [f'*{dt}', '*fp32'] + [f'*{wdt}']*6 + ['*fp32', f'*{dt}'] + ['*i32','*i32'] + ['i32']*4
+    types = {**args(f'*{dt}', 'v beta'), **args('*fp32', 'beta_act gam'), **args(f'*{wdt}', 'Tm kbg W U qg kd'),
+             **args('*i32', 'cu_seqlens chunk_indices'), **args('i32', 'T N HV TUNE_SIZE')}
     c = dict(K=K, V=V, BT=64, BK=BK, IS_VARLEN=False, USE_BETA_SIGMOID=True,
              ALLOW_NEG_EIGVAL=False, PREC='ieee' if dt=='fp32' else 'tf32', LOWP_DOT=wdt == 'bf16', KD_T=wdt == 'bf16')
-    comp(chunk_kda_fwd_kernel_wu, names, types, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
+    comp(chunk_kda_fwd_kernel_wu, types, c, w, s, f"wu_{dt}_{wdt}_K{K}_bk{BK}_w{w}_s{s}")
 
 
 def state(dt='bf16', wdt='bf16', K=128, V=128, BV=32, w=8, s=2, **flags):
     """wdt: dtype of W, U, kd, qg, Aqk (bf16: the forward's lowp mode, kd^T per chunk (KD_T); fp32: the recompute)."""
-    names = ['W','U','kd','qg','Aqk','gam','h0','s_h0n','s_h0h','s_h0k','o','h','vn','ht','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
-    types = [f'*{wdt}']*5 + ['*fp32','*fp32', 'i32', 'i32', 'i32', f'*{dt}', f'*{dt}', f'*{dt}', '*fp32', '*i32','*i32','i32','i32','i32']
+    types = {**args(f'*{wdt}', 'W U kd qg Aqk'), **args('*fp32', 'gam h0 ht'), **args(f'*{dt}', 'o h vn'),
+             **args('*i32', 'cu_seqlens chunk_offsets'), **args('i32', 's_h0n s_h0h s_h0k T HV TUNE_SIZE')}
     c = dict(K=K, V=V, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_H0=True, STORE_O=True, STORE_H=False,
              STORE_VN=False, STORE_HT=True, IS_VARLEN=False, UPCAST=False, PREC='ieee' if dt=='fp32' else 'tf32',
              KD_T=wdt == 'bf16', s_h0v=1)   # a contiguous h0: the JIT specialises its unit stride
     c.update(flags)
-    comp(chunk_kda_fwd_kernel_state, names, types, c, w, s, f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
+    comp(chunk_kda_fwd_kernel_state, types, c, w, s,
+         f"state_{wdt}_K{K}_bv{BV}_w{w}_s{s}" + ("_h" if c['STORE_H'] else ""))
 
 
 def state_bwd(wdt='fp32', K=128, BV=32, w=8, s=1):
     """The reverse state pass; wdt: dtype of qg, kd, W, Aqk (bf16: the recompute of a bf16 forward; fp32 otherwise)."""
-    names = ['qg','kd','W','gam','Aqk','do','dht','s_dhn','s_dhh','s_dhk','dh','dvn','dh0','cu_seqlens','chunk_offsets','T','HV','TUNE_SIZE']
-    types = [f'*{wdt}']*3 + ['*fp32', f'*{wdt}', '*bf16', '*fp32', 'i32', 'i32', 'i32', '*bf16', '*bf16', '*fp32', '*i32', '*i32', 'i32', 'i32', 'i32']
+    types = {**args(f'*{wdt}', 'qg kd W Aqk'), **args('*fp32', 'gam dht dh0'), **args('*bf16', 'do dh dvn'),
+             **args('*i32', 'cu_seqlens chunk_offsets'), **args('i32', 's_dhn s_dhh s_dhk T HV TUNE_SIZE')}
     c = dict(K=K, V=K, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_DHT=True, STORE_DH0=True,
              IS_VARLEN=False, PREC='tf32', LOWP_DOT=True, s_dhv=1)
     if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names:   # branches whose state_bwd reads kd^T blocks
         c['KD_T'] = wdt == 'bf16'
-    comp(chunk_kda_bwd_kernel_state, names, types, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
+    comp(chunk_kda_bwd_kernel_state, types, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
 
 
 def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
     """The backward's inter kernel; wdt: dtype of Tm, W and U (bf16: the recompute in the forward's storage)."""
-    names = ['q','k','rq','rk','v','gam','beta','Tm','W','U','h','vn','do','dh','dvn','dq','dk','dgam','dv','dAqk',
-             'dM','dbeta','cu_seqlens','chunk_indices','scale','T','N','H','HV','TUNE_SIZE']
-    types = (['*bf16']*2 + ['*fp32']*2 + ['*bf16'] + ['*fp32']*2 + [f'*{wdt}']*3 + ['*bf16']*5 + ['*fp32']*3 + ['*bf16']
-             + ['*fp32']*3 + ['*i32']*2 + ['fp32'] + ['i32']*5)
-    if 'W' not in chunk_kda_bwd_kernel_inter.fn.arg_names:     # dM from Vn: the kernel takes neither W nor U
-        del types[8:10], names[8:10]
+    types = {**args('*bf16', 'q k v h vn do dh dvn dv'), **args('*fp32', 'rq rk gam beta dq dk dgam dAqk dM dbeta'),
+             **args(f'*{wdt}', 'Tm W U'), **args('*i32', 'cu_seqlens chunk_indices'), **args('fp32', 'scale'),
+             **args('i32', 'T N H HV TUNE_SIZE')}   # W and U only where the kernel takes them
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
-    comp(chunk_kda_bwd_kernel_inter, names, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
+    comp(chunk_kda_bwd_kernel_inter, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
 
 
 def intra_bwd(dt='bf16', K=128, BK=32, w=4, s=1, maxnreg=None, **flags):
     """The backward row-block kernel (q, k in dt; gam, dAqk, dM, dq, dk, dgam fp32)."""
-    names = ['q','k','rq','rk','gam','beta','dAqk','dM','beta_raw','dq','dk','dgam','dbeta_p','dbeta','cu_seqlens','chunk_indices','T','N','H','HV','TUNE_SIZE']
-    types = [f'*{dt}']*2 + ['*fp32']*3 + [f'*{dt}'] + ['*fp32']*2 + [f'*{dt}'] + ['*fp32']*4 + [f'*{dt}'] + ['*i32','*i32','i32','i32','i32','i32','i32']
+    types = {**args(f'*{dt}', 'q k beta beta_raw dbeta'), **args('*fp32', 'rq rk gam dAqk dM dq dk dgam dbeta_p'),
+             **args('*i32', 'cu_seqlens chunk_indices'), **args('i32', 'T N H HV TUNE_SIZE')}
     c = dict(K=K, BT=64, BC=16, BK=BK, USE_L2NORM=True, USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False,
              PREC='ieee' if dt=='fp32' else 'tf32', BOUNDED=False)
     c.update(flags)
-    comp(chunk_kda_bwd_kernel_intra, names, types, c, w, s,
+    comp(chunk_kda_bwd_kernel_intra, types, c, w, s,
          f"intra_bwd_{dt}_K{K}_bk{BK}_w{w}_s{s}" + ('_bounded' if c['BOUNDED'] else ''), maxnreg)
 
 
 def gate_bwd(dt='bf16', K=128, w=4, **flags):
     """The backward cumsum / gate kernel (its launcher's BK and num_warps; lower_bound form with USE_LOWER_BOUND)."""
-    names = ['dgam','g_raw','A_log','dt_bias','dg','dA_log_p','ddt_bias_p','cu_seqlens','chunk_indices','lower_bound','T','N','HV']
-    types = ['*fp32', f'*{dt}', '*fp32', '*fp32', f'*{dt}', '*fp32', '*fp32', '*i32', '*i32', 'fp32', 'i32', 'i32', 'i32']
+    types = {**args('*fp32', 'dgam A_log dt_bias dA_log_p ddt_bias_p'), **args(f'*{dt}', 'g_raw dg'),
+             **args('*i32', 'cu_seqlens chunk_indices'), **args('fp32', 'lower_bound'), **args('i32', 'T N HV')}
     c = dict(K=K, BT=64, BK=min(32, max(16, triton.next_power_of_2(K))), USE_GATE=True, USE_LOWER_BOUND=False,
              HAS_ALOG=True, HAS_BIAS=True, IS_VARLEN=False)
     c.update(flags)
-    comp(chunk_kda_bwd_kernel_gate, names, types, c, w, 1, f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
+    comp(chunk_kda_bwd_kernel_gate, types, c, w, 1,
+         f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
 
 
 def configs(kernel):
@@ -259,7 +267,8 @@ if __name__ == '__main__':
         intra(K=256, SAVED_A=True); intra('fp32', K=100, SAVED_A=True)
         # the safe gate: lower_bound = -5 (32-row halves, fwd_intra.diagonal_rows), -5.1 (16-row blocks)
         for diag in (32, 16):
-            intra(HAS_LOWER_BOUND=True, BOUNDED=True, DIAG=diag); intra(w=8, HAS_LOWER_BOUND=True, BOUNDED=True, DIAG=diag)
+            for w in (4, 8):
+                intra(w=w, HAS_LOWER_BOUND=True, BOUNDED=True, DIAG=diag)
     if 'wu' in what:
         for (BK, w, st) in [(cf.kwargs['BK'], cf.num_warps, cf.num_stages) for cf in chunk_kda_fwd_kernel_wu.configs]:
             for K in (128, 256, 100):

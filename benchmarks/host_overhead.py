@@ -59,7 +59,8 @@ def main():
     Bd, Hd, Dd = a.decode
     xd = make_inputs(Bd, 1, Hd, Dd, dtype=torch.bfloat16, device="cuda", initial_state=True)
     rows_of(f"decode {a.decode}", [
-        ("op: torch.ops.kda_ops.recurrent_kda_v1", lambda: lambda: torch.ops.kda_ops.recurrent_kda_v1(*op_args(xd, Dd))),
+        ("op: torch.ops.kda_ops.recurrent_kda_v1",
+         lambda: lambda: torch.ops.kda_ops.recurrent_kda_v1(*op_args(xd, Dd))),
         ("api: kda_ops.recurrent_kda", lambda: lambda: kda_ops.recurrent_kda(**xd)),
         ("fla: fused_recurrent_kda", lambda: fla_decode(xd))], a.iters)
     B, T, H, D = a.shape
