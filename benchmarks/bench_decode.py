@@ -13,9 +13,9 @@ Providers: ``kda_ops`` (kda_ops.recurrent_kda: our Triton decode kernel) and ``f
 kda_ops.testing.make_inputs (--regime). Both with the gate, the q/k l2norm and the beta sigmoid inside the op,
 bf16 q/k/v/g/beta, fp32 state [B, H, K, V] read and a new one written. Times are medians of
 triton.testing.do_bench; "GB/s" counts the state read and written (the bytes that bound this op) plus the inputs
-and output. "graph us" replays the call from a CUDA
-graph (triton.testing.do_bench_cudagraph): the GPU time without the Python launch cost, which dominates
-at small batch. "speedup" is fla / kda_ops on the eager-call medians, "graph" on the CUDA-graph ones.
+and output. "graph us" replays the call from a CUDA graph (triton.testing.do_bench_cudagraph): the GPU time
+without the Python launch cost, which dominates at small batch. "speedup" is fla / kda_ops on the eager-call
+medians, "graph" on the CUDA-graph ones.
 """
 from __future__ import annotations
 

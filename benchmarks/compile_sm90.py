@@ -9,7 +9,8 @@ kernel.) --sass adds a line per build
 with its SASS instruction count and the counts of the opcodes that show a recomputation (global loads LDG,
 special-function MUFU, FFMA), spills (LDL, STL), elementwise work such as masking dot outputs (FADD, FSEL), the
 tensor-core dots (HGMMA) or synchronisation (SHFL, BAR), the libdevice functions inlined into it (from the PTX),
-and the same counts for each loop of the build. --paths (with --sass) adds, under each loop, the instruction and
+and the same counts for each loop of the build; the last line names the folder of the cubins, whose full listing
+`cuobjdump -sass` prints. --paths (with --sass) adds, under each loop, the instruction and
 HGMMA counts of the paths through one iteration (sass_paths): a loop whose body branches on the data, such as the
 forward intra kernel's K loop (fast path, exact path), shows one count per path.
 
@@ -116,7 +117,7 @@ def sass_paths(insts, lo, hi, limit=12):
     sass_insts' list: from its first instruction to its backward branch, or out of the range, taking each basic
     block at most once (so an inner loop's body counts at most once), distinct, fewest instructions first, at most
     `limit`. A branch predicated on PT is always taken, on !PT never; any other predicate gives both ways. Some
-    paths may be ones the data never takes."""
+    paths may be ones the data never takes. The walk stops adding paths past 10,000 distinct ones."""
     insts = [i for i in insts if lo <= i[0] <= hi]
 
     def exits(k):
@@ -212,16 +213,15 @@ def state_bwd(wdt='fp32', K=128, BV=32, w=8, s=1):
              **args('*i32', 'cu_seqlens chunk_offsets'), **args('i32', 's_dhn s_dhh s_dhk T HV TUNE_SIZE')}
     c = dict(K=K, V=K, BT=64, BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_DHT=True, STORE_DH0=True,
              IS_VARLEN=False, PREC='tf32', LOWP_DOT=True, s_dhv=1)
-    if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names:   # branches whose state_bwd reads kd^T blocks
-        c['KD_T'] = wdt == 'bf16'
+    c['KD_T'] = wdt == 'bf16'
     comp(chunk_kda_bwd_kernel_state, types, c, w, s, f"state_bwd_{wdt}_K{K}_bv{BV}_w{w}_s{s}")
 
 
 def inter(wdt='fp32', K=128, BK=64, BV=32, w=4, s=3):
-    """The backward's inter kernel; wdt: dtype of Tm, W and U (bf16: the recompute in the forward's storage)."""
+    """The backward's inter kernel; wdt: dtype of Tm (bf16: the recompute in the forward's storage)."""
     types = {**args('*bf16', 'q k v h vn do dh dvn dv'), **args('*fp32', 'rq rk gam beta dq dk dgam dAqk dM dbeta'),
-             **args(f'*{wdt}', 'Tm W U'), **args('*i32', 'cu_seqlens chunk_indices'), **args('fp32', 'scale'),
-             **args('i32', 'T N H HV TUNE_SIZE')}   # W and U only where the kernel takes them
+             **args(f'*{wdt}', 'Tm'), **args('*i32', 'cu_seqlens chunk_indices'), **args('fp32', 'scale'),
+             **args('i32', 'T N H HV TUNE_SIZE')}
     c = dict(K=K, V=K, BT=64, BK=BK, BV=BV, USE_L2NORM=True, IS_VARLEN=False, PREC='tf32', LOWP_DOT=True)
     comp(chunk_kda_bwd_kernel_inter, types, c, w, s, f"inter_{wdt}_K{K}_bk{BK}_bv{BV}_w{w}_s{s}")
 
@@ -277,7 +277,7 @@ if __name__ == '__main__':
     if 'state_bwd' in what:
         for K in (128, 100, 256):
             for (BV, w, s) in configs(chunk_kda_bwd_kernel_state):
-                for wdt in ('fp32', 'bf16') if 'KD_T' in chunk_kda_bwd_kernel_state.fn.arg_names else ('fp32',):
+                for wdt in ('fp32', 'bf16'):
                     state_bwd(wdt, K=K, BV=BV, w=w, s=s)
     if 'inter' in what:
         for cf in chunk_kda_bwd_kernel_inter.configs:      # BK and BV autotuned
@@ -300,3 +300,5 @@ if __name__ == '__main__':
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=64, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, BV=16, s=1)
         state(wdt='fp32', STORE_O=False, STORE_H=True, STORE_VN=True, s=2)
+    if OUT:
+        print(f"cubins (for cuobjdump -sass): {OUT}")

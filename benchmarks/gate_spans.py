@@ -61,11 +61,10 @@ def forward_tiers(g: torch.Tensor, block_k: int, span: float = SPAN_UNIT.value) 
     passes = [spreads(g, block_k, rows, "midpoint").amax(dim=2) <= span for rows in (2 * BC, BC, BC // 2, BC // 4)]
     # [B, NT, HV, NK] level of each K-block: 0 halves, 1 16-row blocks, 2 exact; then the running maximum over K
     level = torch.where(passes[0], 0, torch.where(passes[1], 1, 2)).cummax(dim=-1).values
-    exact = level == 2
     shares = [(level == 0).float().mean().item(), (level == 1).float().mean().item()]
-    taken = ~exact
+    taken = level < 2      # tiles that took a level above the exact path's
     for p in passes[2:]:
-        shares.append((exact & p & ~taken).float().mean().item())
+        shares.append((p & ~taken).float().mean().item())
         taken = taken | p
     return tuple(shares) + ((~taken).float().mean().item(),)
 

@@ -140,10 +140,12 @@ def test_fwd_wide_span(l2norm, decay):
 @pytest.mark.parametrize("decays", [(45.0, 14.0, 7.0, 0.3), (0.3, 7.0, 14.0, 45.0), (7.0, 0.3, 45.0, 14.0)],
                          ids=["strong_first", "weak_first", "mixed"])
 def test_fwd_kblocks_on_different_paths(decays):
-    """K = 128 in four K-blocks of 32 channels, each with its own log decay per token (d .. d + 0.5 nats): the intra
-    kernel takes a different path for the K-blocks of a chunk (45: 4-row blocks, 14: 8-row blocks, 7 and 0.3:
-    16-row blocks, the fast path; 0.3 also passes the test for 32-row blocks), in three orders, against the fp64
-    recurrence."""
+    """K = 128 in four K-blocks of 32 channels, each with its own log decay per token (d .. d + 0.5 nats), whose
+    widest passing blocks differ (45: 4-row blocks, 14: 8-row blocks, 7: 16-row blocks, 0.3: 32-row blocks), in
+    three orders, against the fp64 recurrence. A level that failed for a K-block is not tried for the chunk's later
+    ones, so the paths depend on the order: strong_first takes the exact path in every K-block (4-row, then 8-row
+    diagonal blocks), weak_first the halves, the 16-row blocks, then the exact path's 8- and 4-row blocks, mixed
+    the 16-row blocks twice, then 4- and 8-row blocks."""
     c = Case(B=1, T=150, H=1, HV=2, K=128, V=16, in_op=True, seqlens=[64, 86], dtype=torch.float32)
     d = torch.tensor(decays, dtype=torch.float64).repeat_interleave(32)
     g = -(d + 0.5 * torch.rand(c.B, c.T, c.HV, c.K, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
