@@ -63,7 +63,11 @@ def comp(jf, types, consts, num_warps, num_stages, tag, maxnreg=None):
                            options=dict(num_warps=num_warps, num_stages=num_stages,
                                         **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     except Exception as e:
-        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:2000]}"); return
+        root = e
+        while root.__cause__ is not None:     # a jit function's error comes wrapped once per call level
+            root = root.__cause__
+        cause = f"\n    from {type(root).__name__}: ...{str(root)[-600:]}" if root is not e else ""
+        print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:2000]}{cause}"); return
     global OUT
     OUT = OUT or tempfile.mkdtemp(prefix="kda_sm90_")
     path = os.path.join(OUT, f'{tag}.cubin')
@@ -78,8 +82,8 @@ def comp(jf, types, consts, num_warps, num_stages, tag, maxnreg=None):
         for lo, hi in sass_loops(insts):
             print(f"      loop {lo:#x}-{hi:#x}: {sass_counts([i for i in insts if lo <= i[0] <= hi])}", flush=True)
             if PATHS:
-                print("        paths: " + ", ".join(f"{n:,} ({h} HGMMA)" for n, h in sass_paths(insts, lo, hi)),
-                      flush=True)
+                print("        paths: " + ", ".join(f"{n:,} ({h} HGMMA)" if n >= 0 else "(walk cut short)"
+                                                 for n, h in sass_paths(insts, lo, hi)), flush=True)
 
 
 def libdevice_calls(ptx):
@@ -112,12 +116,13 @@ def sass_loops(insts):
     return [(tgt, a) for a, _, _, tgt in insts if tgt is not None and tgt < a]
 
 
-def sass_paths(insts, lo, hi, limit=12):
+def sass_paths(insts, lo, hi, limit=12, budget=10 ** 6):
     """[(instructions, HGMMA)] of the paths through one iteration of the loop at [lo, hi] (sass_loops) of
     sass_insts' list: from its first instruction to its backward branch, or out of the range, taking each basic
     block at most once (so an inner loop's body counts at most once), distinct, fewest instructions first, at most
     `limit`. A branch predicated on PT is always taken, on !PT never; any other predicate gives both ways. Some
-    paths may be ones the data never takes. The walk stops adding paths past 10,000 distinct ones."""
+    paths may be ones the data never takes. The walk stops after `budget` blocks visited (a loop body with many
+    branches has too many paths to walk them all); a list it cut short ends with (-1, -1)."""
     insts = [i for i in insts if lo <= i[0] <= hi]
 
     def exits(k):
@@ -140,16 +145,18 @@ def sass_paths(insts, lo, hi, limit=12):
         ks = range(index[b], index[e] if e is not None else len(insts))
         blocks[b] = (len(ks), sum(insts[k][2] == 'HGMMA' for k in ks), exits(ks[-1]))
     found = set()
+    budget = [budget]
 
     def walk(b, seen, n, h):
         if b is None:
             found.add((n, h))
-        elif b not in seen and len(found) <= 10000:
+        elif b not in seen and budget[0] > 0:
+            budget[0] -= 1
             nb, hb, succ = blocks[b]
             for s in succ:
                 walk(s, seen | {b}, n + nb, h + hb)
     walk(lo, frozenset(), 0, 0)
-    return sorted(found)[:limit]
+    return sorted(found)[:limit] + ([(-1, -1)] if budget[0] <= 0 else [])
 
 
 def mn_a16(ttgir):

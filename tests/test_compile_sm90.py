@@ -45,3 +45,21 @@ def test_loop_left_by_a_forward_branch():
     insts = compile_sm90.sass_insts(listing)
     assert compile_sm90.sass_loops(insts) == [(0x10, 0x40)]
     assert compile_sm90.sass_paths(insts, 0x10, 0x40) == [(2, 0), (4, 1)]
+
+
+def test_walk_cut_short():
+    """A loop body of 12 branches one after another has 4,096 paths: with fewer blocks allowed than that the walk
+    stops, and the list says so; with enough it finds all 13 lengths."""
+    lines = []
+    for i in range(12):
+        a = 0x10 + 0x20 * i
+        lines += [f"        /*{a:04x}*/              @P0 BRA {a + 0x20:#x} ;",
+                  f"        /*{a + 0x10:04x}*/                   FADD R1, R1, R2 ;"]
+    end = 0x10 + 0x20 * 12
+    lines.append(f"        /*{end:04x}*/              @P1 BRA 0x10 ;")
+    insts = compile_sm90.sass_insts("\n".join(lines))
+    assert compile_sm90.sass_loops(insts) == [(0x10, end)]
+    full = compile_sm90.sass_paths(insts, 0x10, end, limit=20)
+    assert full == [(13 + f, 0) for f in range(13)]
+    cut = compile_sm90.sass_paths(insts, 0x10, end, limit=20, budget=100)
+    assert cut[-1] == (-1, -1) and set(cut[:-1]) < set(full)
