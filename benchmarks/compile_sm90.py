@@ -1,7 +1,10 @@
 """Offline sm_90 (H100 / H200) compile of the chunk kernels, no GPU needed: registers, spills, shared memory.
 
     python benchmarks/compile_sm90.py [intra] [wu] [state] [state_bwd] [inter] [intra_bwd] [--sass] [--paths]
+                                      [--tree DIR]
     PYTHONPATH=<site-packages with another triton> python benchmarks/compile_sm90.py ...
+
+(--tree DIR: compile the kda_ops of another checkout, e.g. a `git worktree` of a branch, instead of this one's.)
 
 (state_bwd, inter: the backward's state pass and inter kernel at K = V = 128 with bf16 inputs, every autotune
 config; intra_bwd: the backward's row-block kernel at every config, also in its bounded-gate form, and its gate
@@ -27,7 +30,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TREE = sys.argv[sys.argv.index('--tree') + 1] if '--tree' in sys.argv else os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(TREE))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -39,6 +44,8 @@ from kda_ops.kernels.bwd_state import chunk_kda_bwd_kernel_state  # noqa: E402
 from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_intra_rerun  # noqa: E402
 from kda_ops.kernels.fwd_state import chunk_kda_fwd_kernel_state  # noqa: E402
 from kda_ops.kernels.fwd_wu import chunk_kda_fwd_kernel_wu  # noqa: E402
+
+print(f"kda_ops from {os.path.dirname(os.path.dirname(sys.modules['kda_ops'].__file__))}")
 
 OUT = None   # the folder of the cubins, made at the first build
 target = GPUTarget("cuda", 90, 32)
@@ -263,7 +270,10 @@ PATHS = '--paths' in sys.argv
 SASS = '--sass' in sys.argv or PATHS
 
 if __name__ == '__main__':
-    what = [w for w in sys.argv[1:] if w not in ('--sass', '--paths')] or ['intra', 'wu', 'state']
+    argv = sys.argv[1:]
+    if '--tree' in argv:
+        del argv[argv.index('--tree'):argv.index('--tree') + 2]
+    what = [w for w in argv if w not in ('--sass', '--paths')] or ['intra', 'wu', 'state']
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
         # the backward's recompute with the forward's Aqk, Tm: its own autotuner's configs, and BK 64 / 8 warps
