@@ -45,8 +45,6 @@ from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_
 from kda_ops.kernels.fwd_state import chunk_kda_fwd_kernel_state  # noqa: E402
 from kda_ops.kernels.fwd_wu import chunk_kda_fwd_kernel_wu  # noqa: E402
 
-print(f"kda_ops from {os.path.dirname(os.path.dirname(sys.modules['kda_ops'].__file__))}")
-
 OUT = None   # the folder of the cubins, made at the first build
 target = GPUTarget("cuda", 90, 32)
 cuobj = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump')
@@ -151,19 +149,23 @@ def sass_paths(insts, lo, hi, limit=12, budget=10 ** 6):
     for b, e in zip(starts, starts[1:] + [None]):
         ks = range(index[b], index[e] if e is not None else len(insts))
         blocks[b] = (len(ks), sum(insts[k][2] == 'HGMMA' for k in ks), exits(ks[-1]))
-    found = set()
-    budget = [budget]
+    found, left, cut = set(), budget, False
 
     def walk(b, seen, n, h):
+        nonlocal left, cut
         if b is None:
             found.add((n, h))
-        elif b not in seen and budget[0] > 0:
-            budget[0] -= 1
+        elif b in seen:
+            return
+        elif left == 0:
+            cut = True
+        else:
+            left -= 1
             nb, hb, succ = blocks[b]
             for s in succ:
                 walk(s, seen | {b}, n + nb, h + hb)
     walk(lo, frozenset(), 0, 0)
-    return sorted(found)[:limit] + ([(-1, -1)] if budget[0] <= 0 else [])
+    return sorted(found)[:limit] + ([(-1, -1)] if cut else [])
 
 
 def mn_a16(ttgir):
@@ -274,6 +276,7 @@ if __name__ == '__main__':
     if '--tree' in argv:
         del argv[argv.index('--tree'):argv.index('--tree') + 2]
     what = [w for w in argv if w not in ('--sass', '--paths')] or ['intra', 'wu', 'state']
+    print(f"kda_ops from {os.path.dirname(os.path.dirname(sys.modules['kda_ops'].__file__))}")
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
         # the backward's recompute with the forward's Aqk, Tm: its own autotuner's configs, and BK 64 / 8 warps
