@@ -41,6 +41,7 @@ from kda_ops.kernels.bwd_gate import chunk_kda_bwd_kernel_gate  # noqa: E402
 from kda_ops.kernels.bwd_inter import chunk_kda_bwd_kernel_inter  # noqa: E402
 from kda_ops.kernels.bwd_intra import chunk_kda_bwd_kernel_intra  # noqa: E402
 from kda_ops.kernels.bwd_state import chunk_kda_bwd_kernel_state  # noqa: E402
+from kda_ops.kernels.common import G_MIN, G_MIN_16BIT  # noqa: E402
 from kda_ops.kernels.fwd_intra import chunk_kda_fwd_kernel_intra, chunk_kda_fwd_kernel_intra_rerun  # noqa: E402
 from kda_ops.kernels.fwd_state import chunk_kda_fwd_kernel_state  # noqa: E402
 from kda_ops.kernels.fwd_wu import chunk_kda_fwd_kernel_wu  # noqa: E402
@@ -194,9 +195,12 @@ def intra(dt='bf16', K=128, w=4, BK=32, wdt=None, maxnreg=None, **flags):
              USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True, HAS_LOWER_BOUND=False, USE_L2NORM=True,
              USE_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, IS_VARLEN=False, PREC='ieee' if dt=='fp32' else 'tf32',
              LOWP_DOT=dt!='fp32', INV_PREC='ieee' if dt=='fp32' else 'tf32x3', KD_T=wdt == 'bf16', SAVED_A=False,
-             BOUNDED=False, DIAG=16)
+             BOUNDED=False, DIAG=16,
+             # 16-bit inputs with the in-op gate and l2norm: the gate's floor bounds the 16-row blocks (no exact path)
+             EXACT=dt == 'fp32', G_FLOOR=G_MIN.value if dt == 'fp32' else G_MIN_16BIT.value)
     c.update(flags)
     tag = ('_saved' if c['SAVED_A'] else '') + ('_bounded' if c['BOUNDED'] else '') + f"_diag{c['DIAG']}"
+    tag += '_exact' if c['EXACT'] and dt != 'fp32' else ''
     tag += f'_r{maxnreg}' if maxnreg else ''
     comp(chunk_kda_fwd_kernel_intra, types, c, w, 1, f"intra_{dt}_{wdt}_K{K}_bk{BK}_w{w}{tag}", maxnreg)
 
@@ -258,7 +262,7 @@ def gate_bwd(dt='bf16', K=128, w=4, **flags):
     types = {**args('*fp32', 'dgam A_log dt_bias dA_log_p ddt_bias_p'), **args(f'*{dt}', 'g_raw dg'),
              **args('*i32', 'cu_seqlens chunk_indices'), **args('fp32', 'lower_bound'), **args('i32', 'T N HV')}
     c = dict(K=K, BT=64, BK=min(32, max(16, triton.next_power_of_2(K))), USE_GATE=True, USE_LOWER_BOUND=False,
-             HAS_ALOG=True, HAS_BIAS=True, IS_VARLEN=False)
+             HAS_ALOG=True, HAS_BIAS=True, IS_VARLEN=False, G_FLOOR=G_MIN_16BIT.value)
     c.update(flags)
     comp(chunk_kda_bwd_kernel_gate, types, c, w, 1,
          f"gate_bwd_{dt}_K{K}_bk{c['BK']}_w{w}" + ('_lb' if c['USE_LOWER_BOUND'] else ''))
@@ -279,6 +283,8 @@ if __name__ == '__main__':
     print(f"kda_ops from {os.path.dirname(os.path.dirname(sys.modules['kda_ops'].__file__))}")
     if 'intra' in what:
         intra(); intra(w=8); intra(wdt='fp32'); intra(K=256); intra(K=100); intra('fp32', K=100)
+        # with the exact path (16-bit inputs without the in-op gate or l2norm)
+        intra(EXACT=True, G_FLOOR=G_MIN.value)
         # the backward's recompute with the forward's Aqk, Tm: its own autotuner's configs, and BK 64 / 8 warps
         # without the register cap
         for cf in chunk_kda_fwd_kernel_intra_rerun.configs:

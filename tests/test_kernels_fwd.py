@@ -461,6 +461,40 @@ def test_raw_gate_plus_inf(lower_bound):
     check_vs_recurrence(finite, kw, do, dht, x, opts, tol=5e-5)
 
 
+@interpreter_only
+def test_gate_floor_16bit():
+    """bf16 with the in-op gate and l2norm: each step's activated log decay is floored at common.G_MIN_16BIT (a
+    decay factor of 2^-14.9), which keeps every 16-row block within twice SPAN_UNIT, so the forward intra kernel is
+    built without its test of the 16-row blocks and without the exact path. A = 15 - 16 with raw g = 10 (about 160
+    nats per step) on half the channels and raw g ~ N(0, 1) (about 0 - 50 nats) on the rest, varlen: forward,
+    backward and decode against the fp64 recurrence of the unfloored gate, and dg exactly zero where the floor
+    applied (the gradient of the floored forward)."""
+    import torch.nn.functional as F
+    from kda_case import reference_grads
+    from kda_ops.kernels.common import G_MIN_16BIT, SPAN_UNIT, bounded_gate, gate_floor
+    c = Case(B=1, T=150, H=1, HV=2, K=32, V=16, in_op=True, a_log_range=(2.7, 2.8), dtype=torch.bfloat16,
+             seqlens=[100, 50])
+    inputs, kw = c.make(seed=12)
+    inputs[3][0, :, :, :16] = 10.0
+    gen = torch.Generator().manual_seed(13)
+    do = torch.randn(1, 150, 2, 16, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(2, 2, 32, 16, generator=gen)
+    x, opts = bundles(inputs, kw)
+    floor = gate_floor(opts, torch.bfloat16)
+    assert floor == G_MIN_16BIT.value and bounded_gate(opts, SPAN_UNIT, 7.5, floor)
+    assert gate_floor(opts, torch.float32) < floor
+    ref = reference_grads(inputs, kw, do, dht)
+    (o, ht), grads, (ro, rht) = run_all(x, opts, do, dht)
+    got = dict(o=o, ht=ht, rec_o=ro, rec_ht=rht, **{n: t for n, t in zip(GRADS, grads) if t is not None})
+    for n, t in got.items():
+        assert torch.isfinite(t).all(), n
+        assert rel_rms(t, ref[n.replace("rec_", "")]) <= 3e-2, (n, rel_rms(t, ref[n.replace("rec_", "")]))
+    g_act = -kw["A_log"].double().exp()[:, None] * F.softplus(inputs[3].double() + kw["dt_bias"].double().view(2, 32))
+    floored = g_act < floor
+    assert 0.5 < floored.double().mean() < 0.9
+    assert (grads[GRADS.index("dg")][floored] == 0).all() and (grads[GRADS.index("dg")][~floored] != 0).any()
+
+
 # ---- causality of non-finite values inside a chunk ---------------------------------------------------------
 # H = 1, HV = 2 (GVA: key head 0 feeds both value heads). Two sequences; the bad token sits in the second one:
 # "chunk0": T = 40, cu_seqlens [0, 17, 40], token 30 = row 13 of the sequence's only chunk;
@@ -655,5 +689,5 @@ def test_interpreter_suite():
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     # every interpreter case ran (only this launcher is skipped there)
-    count = len(CASES) + 10 + 3 + 3 + 3 + 5 + 10 + 2 + 1 + 2 + 4 + 2 + 2 + 6 + 16
+    count = len(CASES) + 10 + 3 + 3 + 3 + 5 + 10 + 2 + 1 + 2 + 4 + 2 + 2 + 6 + 16 + 1
     assert f"{count} passed" in r.stdout, r.stdout[-2000:]

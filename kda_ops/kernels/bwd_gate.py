@@ -1,8 +1,9 @@
 """Backward stage 4: dg from dGam (the reverse in-chunk cumsum) and the gate chain rule.
 
 One program per (chunk, value head, K-block), after bwd_intra.py (each chunk's dGam rows come from four of its
-programs): dg = reverse cumsum of dGam over the chunk's rows, zero where the forward floored the activated gate at G_MIN
-(a full reset: g = -inf, or a raw gate of +inf through the in-op gate); with the gate in the op, the chain rule through
+programs): dg = reverse cumsum of dGam over the chunk's rows, zero where the forward floored the activated gate
+(common.gate_floor: G_MIN, a full reset such as g = -inf or a raw gate of +inf through the in-op gate; or the
+16-bit floor); with the gate in the op, the chain rule through
 ``-exp(A_log) softplus(g + dt_bias)`` or ``lower_bound sigmoid(exp(A_log) (g + dt_bias))``, and per-program
 partial sums for dA_log / ddt_bias (reduced by the launcher: no atomics).
 """
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
-from .common import BT, G_MIN, ChunkIndex, absent, chunk_bounds, gate_scale, length_jit, softplus
+from .common import BT, ChunkIndex, absent, chunk_bounds, gate_floor, gate_scale, length_jit, softplus
 
 
 @length_jit
@@ -26,7 +27,7 @@ def chunk_kda_bwd_kernel_gate(
     cu_seqlens, chunk_indices, lower_bound, T, N, HV,
     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_ALOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, G_FLOOR: tl.constexpr,
 ):
     """One program per (chunk, value head, K-block): grid (NT_total, HV, cdiv(K, BK)). dg = reverse cumsum of
     dGam, the gate chain rule. The chunk's rows are taken last to first (position i holds row Tc - 1 - i), so the
@@ -55,14 +56,14 @@ def chunk_kda_bwd_kernel_gate(
             lb = tl.cast(lower_bound, tl.float32)
             b_ax = b_a * b_x
             b_s = tl.sigmoid(b_ax)
-            b_dg = tl.where(lb * b_s < G_MIN, 0.0, b_dg)          # the forward's floor: no gradient
+            b_dg = tl.where(lb * b_s < G_FLOOR, 0.0, b_dg)        # the forward's floor: no gradient
             b_dax = b_dg * lb * b_s * (1.0 - b_s)
             b_dx = b_dax * b_a
             b_dalog = tl.where(m_tk & (b_dax != 0.0), b_dax * b_ax, 0.0)
         else:
             # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
             b_gact = -b_a * softplus(b_x)
-            b_dg = tl.where(b_gact < G_MIN, 0.0, b_dg)             # the forward's floor: no gradient
+            b_dg = tl.where(b_gact < G_FLOOR, 0.0, b_dg)           # the forward's floor: no gradient
             b_dx = -b_a * tl.sigmoid(b_x) * b_dg
             # a zero dg wins over an infinite gate (raw g = +inf, a full reset): selection, not 0 * inf
             b_dalog = tl.where(m_tk & (b_dg != 0.0), b_gact * b_dg, 0.0)
@@ -73,7 +74,7 @@ def chunk_kda_bwd_kernel_gate(
         if HAS_ALOG:
             tl.store(dA_log_p + (i_t * HV + i_hv) * tl.num_programs(2) + i_k, tl.sum(tl.sum(b_dalog, 0), 0))
     else:
-        b_dg = tl.where(b_x < G_MIN, 0.0, b_dg)                    # the forward's floor: no gradient
+        b_dg = tl.where(b_x < G_FLOOR, 0.0, b_dg)                  # the forward's floor: no gradient
         tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
@@ -102,7 +103,7 @@ def chunk_kda_bwd_gate(dgam: torch.Tensor, x: KDAInputs, opts: KDAOptions, idx: 
         pick(idx.cu_seqlens), pick(idx.chunk_indices), 0.0 if lower_bound is None else float(lower_bound),
         T, idx.N, HV, K=K, BT=BT, BK=BK,
         USE_GATE=use_gate, USE_LOWER_BOUND=lower_bound is not None, HAS_ALOG=has_alog, HAS_BIAS=has_bias,
-        IS_VARLEN=idx.is_varlen, num_warps=4,
+        IS_VARLEN=idx.is_varlen, G_FLOOR=gate_floor(opts, x.v.dtype), num_warps=4,
     )
     dA_log = dA_log_p.sum((0, 2)) if has_alog else None
     ddt_bias = ddt_bias_p.sum(0).reshape(HV * K) if has_bias else None

@@ -6,6 +6,7 @@ and the grids are sized from shapes only (a static bound on the number of chunks
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple, Optional
 
@@ -179,15 +180,29 @@ def size_class(x, lo: int, classes: int):
     return sum(torch.sym_min(x // (lo << i), 1) for i in range(classes - 1))
 
 
-def bounded_gate(opts: KDAOptions, span, steps=BC // 2) -> bool:
-    """Whether the in-op safe gate keeps every row of gam within `span` (log2 units) of its block's reference,
+def bounded_gate(opts: KDAOptions, span, steps=BC // 2, floor=None) -> bool:
+    """Whether the in-op gate keeps every row of gam within `span` (log2 units) of its block's reference,
     whatever the inputs, when no row is more than `steps` steps from that reference: each step's log decay lies in
-    [lower_bound, 0] (an invalid gate element counts as 0, rows past the end too). The default is the 16-row
-    blocks around their middle rows (BC // 2 steps: the backward's reference; the forward's, the midpoint of the
-    block's first and last rows, is within (BC - 1) / 2). A kernel given True can drop its test of the span and its
-    exact path. Decided from the options alone, never from the data."""
-    lb = opts.lower_bound if opts.use_gate else None
-    return lb is not None and -float(lb) * steps * LOG2E.value <= getattr(span, "value", span)
+    [max(lower_bound, floor), 0] (an invalid gate element counts as 0, rows past the end too; floor: the kernels'
+    floor of a step, gate_floor, None for G_MIN). The default is the 16-row blocks around their middle rows
+    (BC // 2 steps: the backward's reference; the forward's, the midpoint of the block's first and last rows, is
+    within (BC - 1) / 2). A kernel given True can drop its test of the span and its exact path. Decided from the
+    options alone, never from the data."""
+    if not opts.use_gate:
+        return False
+    lo = max(-math.inf if opts.lower_bound is None else float(opts.lower_bound),
+             G_MIN.value if floor is None else floor)
+    return -lo * steps * LOG2E.value <= getattr(span, "value", span)
+
+
+def gate_floor(opts: KDAOptions, dtype: torch.dtype) -> float:
+    """The floor of one step's activated log decay in the chunked kernels (natural log units; gam_block applies
+    it, and the gate's gradient is zero below it): G_MIN, or G_MIN_16BIT with the in-op gate and l2norm on 16-bit
+    inputs, where a decay factor below 2^-14.9 is under what the kernels resolve (common.G_MIN_16BIT says why).
+    Decided from the options and the dtype alone, so the backward's rerun floors as the forward did."""
+    if opts.use_gate and opts.use_qk_l2norm and dtype in (torch.bfloat16, torch.float16):
+        return G_MIN_16BIT.value
+    return G_MIN.value
 
 
 def tune_size(tokens, heads):
@@ -273,6 +288,13 @@ SPAN = tl.constexpr(60.0)
 SPAN_UNIT = tl.constexpr(112.0)
 # Floor of one step's log decay g in the chunked kernels (natural log units): see gam_block
 G_MIN = tl.constexpr(-128.0)
+# The floor with the in-op gate and l2norm on 16-bit inputs (gate_floor): a step's decay factor is kept at least
+# 2^-14.9 (3.3e-5). A pair of rows whose decay lies below that then contributes at most 2^-14.9 |q_i| |k_j| <=
+# 2^-14.9 where the exact product would be smaller still: the size of term that the fast path may already drop
+# (SPAN_UNIT, 2^-14), and 60 times below a bf16 rounding (2^-9). In exchange a 16-row block spans at most 15 x
+# 14.9 = 223.5 < 2 SPAN_UNIT (the rest covers the fp32 cumsum's rounding), so the forward intra kernel's 16-row
+# blocks always pass its test and it is built without the exact path (bounded_gate with this floor).
+G_MIN_16BIT = tl.constexpr(-14.9 * 0.6931471805599453)
 
 
 @triton.jit
@@ -426,11 +448,13 @@ def pass_tiles(q, k, g, dt_bias, Tc, i_k, sq, sg, K: tl.constexpr, BT: tl.conste
 
 @triton.jit
 def gam_block(b_x, b_db, b_a, lower_bound, Tc, i_k, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+              USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+              G_FLOOR: tl.constexpr):
     """gam of one chunk and K-block: the in-chunk cumsum of the activated gate, [BT, BK] fp32 in log2 units,
     from the raw gate b_x [BT, BK] and dt_bias b_db [BK] (pass_tiles) and the gate's scale b_a (gate_scale).
     With the in-op gate, the activated log decay is -a softplus(x + dt_bias), or lower_bound sigmoid(a (x +
-    dt_bias)) with HAS_LOWER_BOUND (natural log units); without it, b_x is the log decay itself.
+    dt_bias)) with HAS_LOWER_BOUND (natural log units); without it, b_x is the log decay itself. Floored at G_FLOOR
+    (gate_floor: G_MIN or G_MIN_16BIT).
 
     Rows past the chunk's valid length Tc get a zero log decay, so gam stays finite (they are masked later);
     so do invalid elements (NaN, +inf: selection). Each element's lowest mantissa bit says whether the gate
@@ -451,7 +475,7 @@ def gam_block(b_x, b_db, b_a, lower_bound, Tc, i_k, K: tl.constexpr, BT: tl.cons
     # either way (exp(-104) is below the smallest fp32); raising it to G_MIN keeps the cumsum finite (g = -inf
     # would make gam_i - gam_j = -inf + inf = NaN) and well conditioned
     ok = b_g < float("inf")
-    b_g = tl.where(ok, tl.where(b_g < G_MIN, G_MIN, b_g), 0.0)
+    b_g = tl.where(ok, tl.where(b_g < G_FLOOR, G_FLOOR, b_g), 0.0)
     b_gam = tl.cumsum(b_g, axis=0) * LOG2E
     # invalid elements marked in gam's lowest mantissa bit (set there, clear elsewhere; 1 ulp). ok is used in the
     # layout of the cumsum's result: used in any other layout, the compiler loads and activates the gate twice

@@ -86,11 +86,12 @@ import triton.language as tl
 
 from ..options import KDAInputs, KDAOptions
 from .common import (BC, BT, L2NORM_EPS, SPAN, SPAN_UNIT, ChunkIndex, absent, autotune_configs, bounded_gate,
-                     chunk_bounds, chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_scale,
-                     kd_chunk, l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles, tune_size)
+                     chunk_bounds, chunk_tile, dot_precision, finite, gam_block, gam_valid, gate_args, gate_floor,
+                     gate_scale, kd_chunk, l2norm_factor, length_jit, load_beta, lowp_dot, mark_invalid, pass_tiles,
+                     tune_size)
 
 
-INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED", "DIAG"]
+INTRA_KEY = ["K", "USE_L2NORM", "USE_GATE", "PREC", "SAVED_A", "TUNE_SIZE", "BOUNDED", "DIAG", "EXACT"]
 
 
 @triton.autotune(
@@ -116,6 +117,7 @@ def chunk_kda_fwd_kernel_intra(
     HAS_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP_DOT: tl.constexpr,
     INV_PREC: tl.constexpr, KD_T: tl.constexpr, SAVED_A: tl.constexpr, BOUNDED: tl.constexpr, DIAG: tl.constexpr,
+    EXACT: tl.constexpr, G_FLOOR: tl.constexpr,
 ):
     """One program per (chunk, value head): grid (NT_total, HV). gam, beta, Aqk, Tm, kd, qg and kbg; W and U
     follow from Tm and kbg in chunk_kda_fwd_kernel_wu. SAVED_A (the backward, with the forward's Aqk and Tm
@@ -174,7 +176,8 @@ def chunk_kda_fwd_kernel_intra(
             b_k = b_k.to(tl.float32)
             b_ssq += tl.sum(b_q * b_q, axis=1)
             b_ssk += tl.sum(b_k * b_k, axis=1)
-        b_gam = gam_block(b_g, b_db, b_a, f_lb, Tc, i_k, K, BT, BK, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND)  # [BT, BK]
+        b_gam = gam_block(b_g, b_db, b_a, f_lb, Tc, i_k, K, BT, BK, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND,
+                          G_FLOOR)                                                                    # [BT, BK]
         tl.store(gam + o_t[:, None] * sg + o_k[None, :], b_gam, mask=m_t[:, None] & (o_k[None, :] < K))
     if USE_L2NORM:   # kept for the W/U kernel and the backward; the first value head of the group stores them
         b_rq = l2norm_factor(b_ssq, L2NORM_EPS, False)                                        # [BT]
@@ -258,49 +261,53 @@ def chunk_kda_fwd_kernel_intra(
                         path = tl.full((), 1, tl.int32)
                 if path == 1:
                     b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC), o_t, Tc, span)
-                    if tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span:
+                    ok = True       # without EXACT the gate's floor bounds every 16-row block (G_FLOOR): no test
+                    if EXACT:
+                        ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                    if ok:
                         b_aqk, b_akk = group_dots(b_aqk, b_akk, b_q, b_k, b_g, b_dm, gam, o_k, m_k, sg, o_t, Tc,
                                                   span, BC, BT, DOT_DT, PREC)
                     else:
                         path = tl.full((), 2, tl.int32)
-                if path == 2:
-                    # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split
-                    # (split_level)
-                    for up in tl.static_range(1, 3):
-                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC << up, BC << (up - 1))
-                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC << up, BT, DOT_DT,
-                                                   PREC)
-                    # down the split from level 16: each level S, then the same test for the S/2-row halves
-                    # of its segments, whose pairs take one dot per operand where it passes (at S = 2 the halves
-                    # are single rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each
-                    # pair j <= i once. Level 16 is written out (its masks are constants; this is where most
-                    # blocks that fail the 16-row test pass): its halves are referred to their last rows
-                    # (group_delta, as the fast path's blocks). The levels below load two rows per segment, its
-                    # first row and its middle row (the split's reference and the first row of the second
-                    # half), and issue their test before the split's dots (level 16 issues it after them: in the
-                    # sm_90 build that spills less)
-                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
-                    b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC // 2), o_t, Tc, span)
-                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
-                    ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-                    if ok:
-                        b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC // 2, DOT_DT,
-                                                     PREC)
-                    else:
-                        go = True
-                        for lv in range(3, 0, -1):
-                            if go:
-                                b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
-                                b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
-                                                segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
-                                b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
-                                ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
-                                b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT,
-                                                           DOT_DT, PREC)
-                                if ok:
-                                    b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t,
-                                                                 1 << (lv - 1), DOT_DT, PREC)
-                                    go = False
+                if EXACT:
+                    if path == 2:
+                        # pairs of different blocks, exact for any decay: levels 32 and 64 of the binary split
+                        # (split_level)
+                        for up in tl.static_range(1, 3):
+                            b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC << up, BC << (up - 1))
+                            b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC << up, BT, DOT_DT,
+                                                       PREC)
+                        # down the split from level 16: each level S, then the same test for the S/2-row halves
+                        # of its segments, whose pairs take one dot per operand where it passes (at S = 2 the halves
+                        # are single rows, the diagonal i == j, where gam_i - c(i) = span). Every path covers each
+                        # pair j <= i once. Level 16 is written out (its masks are constants; this is where most
+                        # blocks that fail the 16-row test pass): its halves are referred to their last rows
+                        # (group_delta, as the fast path's blocks). The levels below load two rows per segment, its
+                        # first row and its middle row (the split's reference and the first row of the second
+                        # half), and issue their test before the split's dots (level 16 issues it after them: in the
+                        # sm_90 build that spills less)
+                        b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, BC, BC // 2)
+                        b_dm = group_delta(b_g, last_rows(gam, o_t, o_k, m_k, sg, Tc, BC // 2), o_t, Tc, span)
+                        b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, BC, BT, DOT_DT, PREC)
+                        ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                        if ok:
+                            b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t, BC // 2, DOT_DT,
+                                                         PREC)
+                        else:
+                            go = True
+                            for lv in range(3, 0, -1):
+                                if go:
+                                    b_gm = segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 1 << (lv - 1))
+                                    b_gf = tl.where(((o_t % (1 << lv)) >= (1 << (lv - 1)))[:, None], b_gm,
+                                                    segment_rows(gam, o_t, o_k, m_k, sg, Tc, 1 << lv, 0))
+                                    b_dm = anchor_delta(b_g, b_gf, o_t, Tc, span)
+                                    ok = tl.max(tl.max(tl.abs(b_dm), axis=1), axis=0) <= span
+                                    b_aqk, b_akk = split_level(b_aqk, b_akk, b_q, b_k, b_g, b_gm, o_t, 1 << lv, BT,
+                                                               DOT_DT, PREC)
+                                    if ok:
+                                        b_aqk, b_akk = diagonal_dots(b_aqk, b_akk, b_q, b_k, b_dm, o_t,
+                                                                     1 << (lv - 1), DOT_DT, PREC)
+                                        go = False
                 lvl = path
     if not SAVED_A:
         b_aqk = tl.where(o_t[None, :] <= o_t[:, None], b_aqk, 0.0)
@@ -536,6 +543,7 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
     # transient: W's right operand beta k exp2(gam)
     kbg = torch.empty(B, T, HV, K, dtype=wdt, device=dev)
     gate = gate_args(x, opts)
+    floor = gate_floor(opts, v.dtype)
     kernel = chunk_kda_fwd_kernel_intra if saved is None else chunk_kda_fwd_kernel_intra_rerun
     wrap_triton(kernel)[(idx.NT_total, HV)](
         q, k, x.g, x.beta, absent(gate.A_log, q), absent(gate.dt_bias, q),
@@ -548,6 +556,8 @@ def chunk_kda_fwd_intra(x: KDAInputs, opts: KDAOptions, idx: ChunkIndex, lowp: b
         # bf16 operands only: the fast path's factors reach 2^SPAN, past fp16's range (fp16 inputs: tf32)
         LOWP_DOT=lowp_dot(v.dtype) and v.dtype == torch.bfloat16,
         INV_PREC="ieee" if v.dtype == torch.float32 else "tf32x3", KD_T=kd_t, SAVED_A=saved is not None,
-        BOUNDED=bounded_gate(opts, SPAN), DIAG=diagonal_rows(opts),
+        BOUNDED=bounded_gate(opts, SPAN), DIAG=diagonal_rows(opts), G_FLOOR=floor,
+        # the floor keeps every 16-row block within twice the span: no exact path (common.G_MIN_16BIT)
+        EXACT=not bounded_gate(opts, SPAN_UNIT if opts.use_qk_l2norm else SPAN, (BC - 1) / 2, floor),
     )
     return out, kbg
