@@ -11,8 +11,10 @@ op does, and counts the tiles that pass each test. The second table follows the 
 32-row halves, else its 16-row blocks, else the exact path, which goes down the binary split and takes the
 diagonal pairs by one dot per operand at the first block size (8, 4 rows, else single rows) whose test passes;
 a level that failed for a K-block is not tried for the chunk's later K-blocks. It gives the share of tiles at
-each. (With the in-op safe gate the kernels are built without the tests: common.bounded_gate.)
-No GPU needed.
+each. (With the in-op safe gate the kernels are built without the tests: common.bounded_gate.) With --dtype
+bf16 (the default, the benchmark's) the gate is floored as the kernels floor it for 16-bit inputs with the in-op
+gate and l2norm (common.gate_floor): no 16-row block then spans past the forward's test, so its exact path is
+empty; --dtype fp32 shows the unfloored gate. No GPU needed.
 
     python benchmarks/gate_spans.py --shape 1,8192,32,128
 """
@@ -22,7 +24,8 @@ import argparse
 
 import torch
 
-from kda_ops.kernels.common import BC, BT, SPAN, SPAN_UNIT
+from kda_ops.kernels.common import BC, BT, SPAN, SPAN_UNIT, gate_floor
+from kda_ops.options import KDAOptions
 from kda_ops.reference import kda_gate
 from kda_ops.testing import REGIMES, make_inputs
 
@@ -74,12 +77,15 @@ def main() -> None:
     ap.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (T a multiple of 64)")
     ap.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
     ap.add_argument("--block-k", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16 floors the gate")
     a = ap.parse_args()
+    dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[a.dtype]
     B, T, H, K = (int(s) for s in a.shape.split(","))
     gates = {}
     for regime in a.regimes:
         x = make_inputs(B, T, H, K, regime=regime, dtype=torch.float32, seed=0)
-        gates[regime] = kda_gate(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])
+        opts = KDAOptions(scale=1.0, lower_bound=x["lower_bound"], use_qk_l2norm=True, use_gate=True)
+        gates[regime] = kda_gate(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"]).clamp(min=gate_floor(opts, dtype))
     print(f"| regime | BK | forward: per chunk at SPAN_UNIT = {SPAN_UNIT.value:g} | backward: per 16-row block at "
           f"SPAN_UNIT | without the in-op l2norm: forward at SPAN = {SPAN.value:g} | backward at SPAN |")
     print("|---|---|---|---|---|---|")

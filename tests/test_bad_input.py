@@ -144,9 +144,12 @@ def test_nan_stays_in_its_sequence_and_never_reaches_the_past(name, device):
     o_n, ht_n = kda_ops.chunk_kda(**bad, cu_seqlens=cu, output_final_state=True)
     assert torch.equal(o_n[:, :17], o[:, :17])   # sequence 1
     assert torch.equal(ht_n[0], ht[0])
-    # sequence 2 before token 30. On CUDA within rounding: a NaN gate counts as a zero log decay, which moves the
-    # references of the intra kernel's factored dots in its chunk (their rows' rounding) and may change its path
-    assert same(o_n[:, 17:30], o[:, 17:30])
+    # sequence 2 before token 30: bitwise on CPU; on CUDA within the kernels' float32 tolerance (2.6e-6 on an
+    # H100): a NaN gate counts as a zero log decay, which moves the references of the intra kernel's factored dots
+    # in its chunk (their rows' rounding) and may change its path
+    before_n, before = o_n[:, 17:30], o[:, 17:30]
+    assert torch.isfinite(before_n).all()
+    assert torch.equal(before_n, before) if device == "cpu" else rel_rms(before_n, before) <= TOL[device]
     assert o_n[:, 30].isnan().any()              # the NaN does reach its own token
 
 

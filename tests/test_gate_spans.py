@@ -117,3 +117,17 @@ def test_diagonal_rows_matches_the_worst_safe_gate(lower_bound):
     assert diagonal_rows(opts) == (32 if worst_fits else 16)
     assert diagonal_rows(KDAOptions(1.0, lower_bound, use_gate=True)) == 16      # raw rows: the span is SPAN
     assert diagonal_rows(KDAOptions(1.0, None, use_qk_l2norm=True, use_gate=True)) == 16
+
+
+def test_16bit_floor_bounds_every_16_row_block():
+    # steps of 100 nats (144 in log2): unfloored, only 2-row blocks stay within 2 SPAN_UNIT (the last column);
+    # floored as for 16-bit inputs (common.gate_floor), every 16-row block does, whatever the decay
+    from kda_ops.kernels.common import gate_floor
+    from kda_ops.options import KDAOptions
+    g = torch.full((1, 128, 2, 32), -100.0)
+    assert spans.forward_tiers(g, 32) == (0.0, 0.0, 0.0, 0.0, 1.0)
+    opts = KDAOptions(scale=1.0, use_qk_l2norm=True, use_gate=True)
+    floored = g.clamp(min=gate_floor(opts, torch.bfloat16))
+    assert spans.forward_tiers(floored, 32) == (0.0, 1.0, 0.0, 0.0, 0.0)
+    assert gate_floor(opts, torch.float32) == -128.0
+    assert gate_floor(KDAOptions(scale=1.0, use_gate=True), torch.bfloat16) == -128.0     # no in-op l2norm
