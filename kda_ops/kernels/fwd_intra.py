@@ -42,7 +42,10 @@ Per K-block, chosen in the kernel from the data (no host sync):
 With the in-op safe gate no block spans more than 2 common.SPAN (common.bounded_gate): the kernel is then built
 without the test and the exact path (BOUNDED). With the in-op l2norm as well and lower_bound >= -5, no 32-row
 half spans more than 2 SPAN_UNIT: the fast path then takes the halves as its blocks (DIAG = 32,
-diagonal_rows; 4 dots per K-block).
+diagonal_rows; 4 dots per K-block). With 16-bit inputs, the in-op gate and the in-op l2norm each step's log decay
+is floored at common.G_MIN_16BIT (G_FLOOR; common.gate_floor), which keeps every 16-row block within 2 SPAN_UNIT:
+the kernel is then built without the exact path (EXACT False), the halves where their test passes, else the 16-row
+blocks with no test.
 The inverse is blockwise: D = (I + L_diag)^-1 for the four diagonal blocks at once (by doubling, six batched
 [4, 16, 16] dots in tf32x3 / IEEE fp32), then the block merges as Tm = sum_{p<4} (-D L_off)^p D, three dots
 X <- D - (D L_off) X (a nilpotent series: exact). L and D stay in registers: the diagonal blocks are taken out
