@@ -473,8 +473,8 @@ def diagonal_rows(opts: KDAOptions) -> int:
     per operand each (group_dots): the chunk's 32-row halves (2 BC) when the in-op safe gate and the in-op l2norm
     bound every half within 2 SPAN_UNIT whatever the inputs (each step's log decay in [lower_bound, 0], 2 BC - 1
     steps from its first row to its last: lower_bound >= -224 / (31 log2(e)) = -5.0085), else its 16-row blocks
-    (BC). With halves a K-block takes 4 dots instead of 8. From the options alone (the unbounded build tests the
-    halves, then the 16-row blocks, on the data)."""
+    (BC). With halves a K-block takes 4 dots instead of 8. From the options alone (the other builds test the
+    halves on the data, then the 16-row blocks unless the gate's floor bounds them: EXACT)."""
     return 2 * BC if opts.use_qk_l2norm and bounded_gate(opts, SPAN_UNIT, (2 * BC - 1) / 2) else BC
 
 
